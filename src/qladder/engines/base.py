@@ -1,0 +1,116 @@
+"""The session protocol every rung implements: one decode step at a time, rollback, handoff by ids.
+
+An `Engine` holds loaded weights and a tokenizer; `Engine.open(prompt_ids)` prefills and returns a
+`Session`. A session always knows the logits for the *next* token:
+
+    s = engine.open(prompt_ids)     # prefill
+    row = s.logits()                # (V,) float32, next-token logits
+    s.push(token_id)                # accept a token; the next logits are computed
+    s.rollback(n)                   # forget the last n tokens (KV cache truly truncated)
+    s.extend(ids)                   # accept several tokens at once (catch-up after a handoff)
+    s.close()
+
+Rollback is exact: the KV entries of the dropped positions are removed, and the logits for the
+new last position are recomputed lazily by re-decoding that one token, so re-decoding after a
+rollback reproduces bit-identical logits. Engines raise `EngineError` for a failed step; the
+session is then not to be trusted (the ladder closes it).
+
+Handoff between engines is by token ids only, allowed when their `fingerprint`s match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from qladder.errors import TokenizerMismatchError
+
+
+@runtime_checkable
+class Session(Protocol):
+    """One sequence's state on one engine."""
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in the KV cache (prompt + accepted)."""
+        ...
+
+    @property
+    def token_ids(self) -> list[int]:
+        """A copy of the ids in the KV cache."""
+        ...
+
+    def logits(self) -> torch.Tensor:
+        """Next-token logits, (V,) float32 on the CPU. Valid until the next push/extend/rollback."""
+        ...
+
+    def push(self, token_id: int) -> None:
+        """Accept one token and compute the next logits (one decode step)."""
+        ...
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Accept several tokens in one batch."""
+        ...
+
+    def rollback(self, n: int) -> None:
+        """Drop the last n tokens from the cache (at least one token must remain)."""
+        ...
+
+    def close(self) -> None:
+        """Release the sequence's cache. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A loaded model at one precision: a rung of the ladder."""
+
+    name: str  # the rung's name, e.g. "int4"
+    precision: str  # human label: weights/activations, e.g. "Q4_1 weights, fp32 compute (llama.cpp)"
+    n_ctx: int
+    n_vocab: int
+    eos_ids: frozenset[int]
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of the vocabulary and special tokens."""
+        ...
+
+    def tokenize(self, text: str, special: bool) -> list[int]:
+        """Token ids of text; `special` parses special-token text like `<|im_start|>`."""
+        ...
+
+    def detokenize(self, token_ids: Sequence[int]) -> bytes:
+        """The UTF-8 bytes of token ids (may end inside a multi-byte character)."""
+        ...
+
+    def open(self, prompt_ids: Sequence[int]) -> Session:
+        """Prefill prompt ids and return a session positioned after them."""
+        ...
+
+    def close(self) -> None:
+        """Free the weights."""
+        ...
+
+
+def tokenizer_fingerprint(pieces: Iterable[str], special_ids: dict[str, int | None]) -> str:
+    """sha256 over the vocabulary pieces in id order and the special token ids."""
+    h = hashlib.sha256()
+    for piece in pieces:
+        h.update(piece.encode("utf-8", "surrogatepass"))
+        h.update(b"\x00")
+    for key in sorted(special_ids):
+        h.update(f"{key}={special_ids[key]};".encode())
+    return h.hexdigest()[:16]
+
+
+def check_handoff(src: Engine, dst: Engine) -> None:
+    """Refuse a handoff by token ids between engines whose tokenizers differ."""
+    if src.fingerprint != dst.fingerprint:
+        raise TokenizerMismatchError(
+            f"cannot hand {src.name} tokens to {dst.name}: tokenizer fingerprints differ "
+            f"({src.fingerprint} != {dst.fingerprint})"
+        )

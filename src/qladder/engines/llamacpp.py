@@ -1,0 +1,201 @@
+"""The `int4` rung: llama.cpp's real 4-bit kernels on the GGUF, through llama-cpp-python.
+
+Only the low-level path is used: `llama_decode` on a batch, `llama_get_logits_ith(ctx, -1)` for the
+row, and `llama_memory_seq_rm` to truncate the KV cache. (`Llama.scores` is stale without
+`logits_all`, which costs ~400 MB, and exceptions raised inside a high-level `logits_processor`
+are swallowed.) Rollback by `seq_rm` plus re-decoding gives bit-identical replays.
+
+Threads default to one: on 2 shared cores, two llama.cpp threads beside another busy process
+collapse.
+
+Control vectors (`llama_set_adapter_cvec`) add a vector to a layer's output (`l_out`); the fault
+models use them to inject activation outliers through the real kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from qladder.engines.base import tokenizer_fingerprint
+from qladder.errors import EngineError, InputError, ModelError
+from qladder.model import ModelInfo
+
+
+class LlamaCppEngine:
+    name = "int4"
+
+    def __init__(self, info: ModelInfo, n_ctx: int = 2048, n_threads: int = 1, n_batch: int = 512):
+        import llama_cpp
+
+        self._lib = llama_cpp
+        try:
+            self.llm = llama_cpp.Llama(
+                model_path=str(info.path),
+                n_ctx=n_ctx,
+                n_batch=n_batch,
+                n_threads=n_threads,
+                n_threads_batch=n_threads,
+                logits_all=False,
+                verbose=False,
+            )
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise ModelError(f"llama.cpp cannot load {info.path}: {exc}") from exc
+        self.info = info
+        ftype = {2: "Q4_0", 3: "Q4_1"}.get(info.file_type, f"file type {info.file_type}")
+        self.precision = f"{ftype} weights, llama.cpp CPU kernels (fp32 activations)"
+        self.n_ctx = int(self.llm.n_ctx())
+        self.n_vocab = int(self.llm.n_vocab())
+        self.n_layer = info.n_layer
+        self.n_embd = info.n_embd
+        self.eos_ids = frozenset({info.eos_id})
+        self._ctx = self.llm._ctx.ctx
+        self._vocab = self.llm._model.vocab
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._fingerprint: str | None = None
+        self._owner: LlamaCppSession | None = None
+        self._cvec: np.ndarray | None = None
+
+    # -- tokenizer ---------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            get = self._lib.llama_vocab_get_text
+            pieces = (get(self._vocab, i).decode("utf-8", "surrogateescape") for i in range(self.n_vocab))
+            self._fingerprint = tokenizer_fingerprint(
+                pieces, {"bos": self.info.bos_id, "eos": self.info.eos_id}
+            )
+        return self._fingerprint
+
+    def tokenize(self, text: str, special: bool) -> list[int]:
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InputError(f"text is not valid Unicode (lone surrogate at {exc.start}); sanitize it first") from exc
+        if not data:
+            return []
+        return list(self.llm.tokenize(data, add_bos=False, special=special))
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        body = [t for t in token_ids if t not in self.eos_ids]
+        return self.llm.detokenize(body).decode("utf-8", "replace")
+
+    # -- control vector (fault injection through the real kernels) ---------------------------
+    def set_control_vector(self, layer: int, channel: int, value: float) -> None:
+        """Add `value` to hidden channel `channel` at the output of decoder layer `layer` (1..n-1)."""
+        if not 1 <= layer < self.n_layer:
+            raise ModelError(f"control vectors apply to layers 1..{self.n_layer - 1}, not {layer}")
+        if not 0 <= channel < self.n_embd:
+            raise ModelError(f"channel {channel} out of range 0..{self.n_embd - 1}")
+        data = np.zeros((self.n_layer - 1) * self.n_embd, dtype=np.float32)  # layers 1..n-1
+        data[(layer - 1) * self.n_embd + channel] = value
+        self._cvec = data  # keep the buffer alive while llama.cpp may read it
+        ptr = data.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        rc = self._lib.llama_set_adapter_cvec(self._ctx, ptr, data.size, self.n_embd, layer, layer)
+        if rc != 0:
+            raise EngineError(f"llama_set_adapter_cvec returned {rc}")
+
+    def clear_control_vector(self) -> None:
+        self._lib.llama_set_adapter_cvec(self._ctx, None, 0, self.n_embd, 0, 0)
+        self._cvec = None
+
+    # -- sessions ----------------------------------------------------------------------------
+    def open(self, prompt_ids: Sequence[int]) -> LlamaCppSession:
+        if self._owner is not None:
+            self._owner.close()
+        session = LlamaCppSession(self)
+        self._owner = session
+        session._prefill(list(prompt_ids))
+        return session
+
+    def close(self) -> None:
+        if self._owner is not None:
+            self._owner.close()
+        self.llm.close()
+
+
+class LlamaCppSession:
+    """The engine's single sequence (seq 0). Opening another session closes this one."""
+
+    def __init__(self, engine: LlamaCppEngine):
+        self._e = engine
+        self._ids: list[int] = []
+        self._fresh = False  # whether the context's last logits row belongs to our last token
+        self._closed = False
+        engine._lib.llama_memory_clear(engine._memory, True)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self._ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._ids)
+
+    def _check(self) -> None:
+        if self._closed or self._e._owner is not self:
+            raise EngineError("llama.cpp session is closed")
+
+    def _decode(self, ids: list[int]) -> None:
+        """Append ids at the current position, in n_batch chunks; logits for the last one only."""
+        self._check()
+        e = self._e
+        if len(self._ids) + len(ids) > e.n_ctx:
+            raise EngineError(f"context full ({e.n_ctx} tokens)")
+        batch = e.llm._batch
+        for i in range(0, len(ids), e.llm.n_batch):
+            chunk = ids[i : i + e.llm.n_batch]
+            batch.set_batch(batch=chunk, n_past=len(self._ids), logits_all=False)
+            rc = e._lib.llama_decode(e._ctx, batch.batch)
+            if rc != 0:
+                self._fresh = False
+                raise EngineError(f"llama_decode returned {rc}")
+            self._ids.extend(chunk)
+        self._fresh = True
+
+    def _prefill(self, ids: list[int]) -> None:
+        if not ids:
+            raise InputError("empty prompt")
+        if len(ids) >= self._e.n_ctx:
+            raise InputError(f"prompt of {len(ids)} tokens does not fit the context of {self._e.n_ctx}")
+        self._decode(ids)
+
+    def logits(self) -> torch.Tensor:
+        self._check()
+        if not self._fresh:
+            # After a rollback: drop the last token's KV and decode it again, alone.
+            last = self._ids.pop()
+            self._e._lib.llama_memory_seq_rm(self._e._memory, 0, len(self._ids), -1)
+            self._decode([last])
+        ptr = self._e._lib.llama_get_logits_ith(self._e._ctx, -1)
+        row = np.ctypeslib.as_array(ptr, shape=(self._e.n_vocab,))
+        return torch.from_numpy(row.copy())  # (V,) float32; the C buffer is reused by the next decode
+
+    def push(self, token_id: int) -> None:
+        self._decode([int(token_id)])
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        if token_ids:
+            self._decode([int(t) for t in token_ids])
+
+    def rollback(self, n: int) -> None:
+        self._check()
+        if n < 0 or n >= len(self._ids):
+            raise ValueError(f"cannot roll back {n} of {len(self._ids)} tokens")
+        if n == 0:
+            return
+        keep = len(self._ids) - n
+        if not self._e._lib.llama_memory_seq_rm(self._e._memory, 0, keep, -1):
+            raise EngineError("llama_memory_seq_rm failed")
+        del self._ids[keep:]
+        self._fresh = False
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._e._owner is self:
+                self._e._lib.llama_memory_seq_rm(self._e._memory, 0, 0, -1)
+                self._e._owner = None

@@ -1,0 +1,238 @@
+"""PyTorch rungs: transformers' Llama on the GGUF's weights, dequantized, at a chosen compute dtype.
+
+- `fp32`: the full-precision shadow.
+- `w4a16`: the same Q4_1-derived weights with FP16 activations and compute, the numerics of GPU
+  INT4 (W4A16) kernels. The weights are the exact Q4_1 dequantization (d * q + m) held in fp16, so
+  every matmul, residual add and norm runs in fp16: this is where FP16 overflow is real (SmolLM2's
+  residual stream carries ~24,900 on channel 507 at layers 11-12, 38% of fp16's 65,504).
+- `bf16`: optional.
+
+transformers dequantizes a GGUF in ~13 s here; the result is cached on disk as fp32 safetensors
+(keyed by the file's name, size and mtime), so later starts take well under a second.
+
+Per-layer activation peaks (max |hidden| after each decoder layer) can be monitored: forward hooks
+write into a preallocated tensor, read by the ladder with the step's single sync, never `.item()`
+per layer.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from qladder.engines.base import tokenizer_fingerprint
+from qladder.errors import EngineError, InputError, ModelError
+from qladder.model import ModelInfo
+
+DTYPES = {"fp32": torch.float32, "w4a16": torch.float16, "bf16": torch.bfloat16}
+PRECISIONS = {
+    "fp32": "Q4_1 weights dequantized, fp32 activations and compute (PyTorch)",
+    "w4a16": "Q4_1 weights, fp16 activations and compute (PyTorch, GPU W4A16 numerics)",
+    "bf16": "Q4_1 weights dequantized, bf16 activations and compute (PyTorch)",
+}
+
+
+def _cached_checkpoint(info: ModelInfo, cache_dir: Path) -> Path:
+    """Folder with config, fp32 safetensors and tokenizer of this GGUF, dequantized once."""
+    target = cache_dir / "torch" / info.cache_key
+    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    try:
+        model = LlamaForCausalLM.from_pretrained(
+            str(info.path.parent), gguf_file=info.path.name, dtype=torch.float32
+        )
+        tok = AutoTokenizer.from_pretrained(str(info.path.parent), gguf_file=info.path.name)
+    except Exception as exc:
+        raise ModelError(f"transformers cannot load {info.path}: {type(exc).__name__}: {exc}") from exc
+    # A GGUF-loaded model refuses save_pretrained while it still looks quantized.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)  # atomic: a half-written cache is never used
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+class TorchEngine:
+    """A torch rung. One thread by default (see config.Settings)."""
+
+    def __init__(self, info: ModelInfo, rung: str, cache_dir: Path, n_ctx: int = 2048, n_threads: int = 1):
+        if rung not in DTYPES:
+            raise ModelError(f"unknown torch rung {rung!r}")
+        from transformers import AutoTokenizer, LlamaForCausalLM
+
+        torch.set_num_threads(n_threads)
+        ckpt = _cached_checkpoint(info, cache_dir)
+        self.name = rung
+        self.precision = PRECISIONS[rung]
+        self.dtype = DTYPES[rung]
+        self.info = info
+        self.n_ctx = n_ctx
+        self.model = LlamaForCausalLM.from_pretrained(str(ckpt), dtype=self.dtype).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
+        self.n_vocab = int(self.model.config.vocab_size)
+        self.n_layer = int(self.model.config.num_hidden_layers)
+        self.eos_ids = frozenset({info.eos_id})
+        self._fingerprint: str | None = None
+        # Activation monitor: per-layer max |hidden| of the last forward, preallocated.
+        self.activation_peaks = torch.zeros(self.n_layer, dtype=torch.float32)
+        self._monitor_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._fault_handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    # -- tokenizer ---------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            t = self.tokenizer
+            pieces = t.convert_ids_to_tokens(list(range(self.n_vocab)))
+            self._fingerprint = tokenizer_fingerprint(
+                pieces, {"bos": self.info.bos_id, "eos": self.info.eos_id}
+            )
+        return self._fingerprint
+
+    def tokenize(self, text: str, special: bool) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InputError(f"text is not valid Unicode (lone surrogate at {exc.start}); sanitize it first") from exc
+        if special:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        # Plain text: special-token strings typed by a user stay plain text.
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    # -- monitors and faults (hooks on decoder layers) ---------------------------------------
+    def monitor_activations(self, enabled: bool = True) -> None:
+        """Record max |hidden| after every decoder layer of each forward into `activation_peaks`."""
+        for h in self._monitor_handles:
+            h.remove()
+        self._monitor_handles = []
+        if not enabled:
+            return
+        peaks = self.activation_peaks
+        for i, layer in enumerate(self.model.model.layers):
+
+            def hook(_m: torch.nn.Module, _a: object, out: object, i: int = i) -> None:
+                h = out[0] if isinstance(out, tuple) else out  # (B, T, D)
+                peaks[i].copy_(h.detach().abs().amax())  # stays a tensor op: no host sync here
+
+            self._monitor_handles.append(layer.register_forward_hook(hook))
+
+    def add_layer_fault(self, layer: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Transform a decoder layer's output hidden states (B, T, D) on every forward."""
+        if not 0 <= layer < self.n_layer:
+            raise ModelError(f"layer {layer} out of range 0..{self.n_layer - 1}")
+
+        def hook(_m: torch.nn.Module, _a: object, out: object) -> object:
+            if isinstance(out, tuple):
+                return (fn(out[0]), *out[1:])
+            return fn(out)  # type: ignore[arg-type]
+
+        # Registered before the monitor hooks run? Order: hooks run in registration order, so
+        # re-register monitors after faults to observe the faulted value.
+        self._fault_handles.append(self.model.model.layers[layer].register_forward_hook(hook))
+        if self._monitor_handles:
+            self.monitor_activations(True)
+
+    def clear_faults(self) -> None:
+        for h in self._fault_handles:
+            h.remove()
+        self._fault_handles = []
+
+    # -- sessions ----------------------------------------------------------------------------
+    def open(self, prompt_ids: Sequence[int]) -> TorchSession:
+        return TorchSession(self, prompt_ids)
+
+    def close(self) -> None:
+        self.monitor_activations(False)
+        self.clear_faults()
+
+
+class TorchSession:
+    """A sequence on a torch rung, with a DynamicCache that rollback truly crops."""
+
+    def __init__(self, engine: TorchEngine, prompt_ids: Sequence[int]):
+        from transformers import DynamicCache
+
+        if not prompt_ids:
+            raise InputError("empty prompt")
+        if len(prompt_ids) >= engine.n_ctx:
+            raise InputError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {engine.n_ctx}")
+        self._engine = engine
+        self._cache: DynamicCache | None = DynamicCache(config=engine.model.config)
+        self._ids: list[int] = []
+        self._logits: torch.Tensor | None = None
+        self._forward(list(prompt_ids))
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self._ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._ids)
+
+    def _forward(self, ids: list[int]) -> None:
+        if self._cache is None:
+            raise EngineError("session is closed")
+        if len(self._ids) + len(ids) > self._engine.n_ctx:
+            raise EngineError(f"context full ({self._engine.n_ctx} tokens)")
+        x = torch.tensor([ids], dtype=torch.long)  # (1, T)
+        try:
+            with torch.inference_mode():
+                out = self._engine.model(
+                    input_ids=x, past_key_values=self._cache, use_cache=True, logits_to_keep=1
+                )
+        except Exception as exc:
+            raise EngineError(f"{self._engine.name} forward failed: {type(exc).__name__}: {exc}") from exc
+        self._ids.extend(ids)
+        self._logits = out.logits[0, -1].float()  # (V,)
+
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            # After a rollback: re-decode the last token alone, exactly as it was first decoded.
+            last = self._ids.pop()
+            assert self._cache is not None
+            self._cache.crop(-1)
+            self._forward([last])
+        assert self._logits is not None
+        return self._logits
+
+    def push(self, token_id: int) -> None:
+        # After a rollback the KV cache is already right for every kept id; only the logits of
+        # the last position are unknown, and pushing makes them irrelevant.
+        self._forward([int(token_id)])
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        if token_ids:
+            self._forward([int(t) for t in token_ids])
+
+    def rollback(self, n: int) -> None:
+        if n < 0 or n >= len(self._ids):
+            raise ValueError(f"cannot roll back {n} of {len(self._ids)} tokens")
+        if n == 0 or self._cache is None:
+            return
+        self._cache.crop(-n)
+        del self._ids[-n:]
+        self._logits = None
+
+    def close(self) -> None:
+        self._cache = None
+        self._logits = None

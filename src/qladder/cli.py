@@ -1,0 +1,155 @@
+"""`qladder` command line: generate, bench. Errors are one line on stderr and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qladder.errors import QladderError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="A precision ladder for quantized LLMs.")
+bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks that print JSON.")
+app.add_typer(bench_app, name="bench")
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"qladder: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The user prompt; '-' reads it from standard input.")],
+    rung: Annotated[str | None, typer.Option(help="Run one rung alone: int4, w4a16, fp32 or bf16.")] = None,
+    ladder: Annotated[str, typer.Option(help="Rungs in order, e.g. int4,fp32 or int4,w4a16,fp32.")] = "int4",
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = 128,
+    temperature: float = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k")] = 0,
+    seed: int = 0,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop string (repeatable).")] = None,
+    fault: Annotated[list[str] | None, typer.Option(help="Inject a fault on the first rung (repeatable).")] = None,
+    guard: Annotated[str, typer.Option(help="Guard preset: default, logits, strict, off.")] = "default",
+    sanitize: Annotated[str, typer.Option("--sanitize", help="Input sanitizer preset.")] = "default",
+    warm_shadow: Annotated[bool, typer.Option("--warm-shadow", help="Prefill the fallback rung ahead.")] = False,
+    return_after: Annotated[int | None, typer.Option("--return-after", help="Return to rung 0 after K tokens.")] = None,
+    model: Annotated[Path | None, typer.Option(help="A Llama-family GGUF (default: the embedded model).")] = None,
+    incidents: Annotated[Path | None, typer.Option(help="SQLite file for incident records.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Generate an answer to PROMPT through the guarded ladder (or one rung)."""
+    try:
+        out = _generate(prompt, rung or ladder, max_tokens, temperature, top_p, top_k, seed, stop or [],
+                        fault or [], guard, sanitize, warm_shadow, return_after, model, incidents)
+    except QladderError as exc:
+        _fail(str(exc))
+        return
+    if as_json:
+        typer.echo(json.dumps(out, ensure_ascii=False))
+    else:
+        typer.echo(out["text"])
+        if out["hazards"]:
+            typer.echo(f"[{len(out['hazards'])} hazard(s); finish: {out['finish_reason']}; rungs: "
+                       f"{', '.join(sorted(set(out['token_rungs'])))}]", err=True)
+
+
+def _generate(prompt: str, ladder: str, max_tokens: int, temperature: float, top_p: float, top_k: int,
+              seed: int, stop: list[str], faults: list[str], guard: str, sanitize: str, warm_shadow: bool,
+              return_after: int | None, model: Path | None, incidents: Path | None) -> dict[str, object]:
+    from qladder.config import Settings
+    from qladder.errors import ConfigError
+    from qladder.faults import parse_fault
+    from qladder.health.guard import GUARD_PRESETS
+    from qladder.incidents import IncidentStore
+    from qladder.ladder import LadderConfig
+    from qladder.policy import LadderPolicy
+    from qladder.sampling import SamplingParams
+    from qladder.sanitize import PRESETS
+    from qladder.service import Qladder, parse_ladder
+
+    rungs = parse_ladder(ladder)
+    from qladder.engines import RUNGS
+
+    for r in rungs:
+        if r not in RUNGS:
+            raise ConfigError(f"unknown rung {r!r}; choose from {', '.join(RUNGS)}")
+    if guard not in GUARD_PRESETS:
+        raise ConfigError(f"unknown guard preset {guard!r}; choose from {', '.join(GUARD_PRESETS)}")
+    if sanitize not in PRESETS:
+        raise ConfigError(f"unknown sanitize preset {sanitize!r}; choose from {', '.join(PRESETS)}")
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, stop=tuple(stop))
+    parsed = [parse_fault(f) for f in faults]
+    _quiet_libraries()
+    settings = Settings.from_env()
+    store = IncidentStore(incidents or settings.cache_dir / "incidents.sqlite3")
+    config = LadderConfig(guard=GUARD_PRESETS[guard], policy=LadderPolicy(return_after=return_after),
+                          warm_shadow=warm_shadow)
+    q = Qladder(rungs, model=model, settings=settings, ladder_config=config,
+                sanitize_config=PRESETS[sanitize], incidents=store)
+    try:
+        text: str | bytes = sys.stdin.buffer.read() if prompt == "-" else prompt
+        answer = q.answer(text, params, parsed)
+    finally:
+        q.close()
+        store.close()
+    out = answer.to_dict()
+    out["ladder"] = rungs
+    out["precisions"] = {e.name: e.precision for e in q.engines}
+    out["faults"] = [str(f) for f in parsed]
+    return out
+
+
+@bench_app.command("engines")
+def bench_engines(
+    rungs: Annotated[str, typer.Option(help="Rungs to measure.")] = "int4,w4a16,fp32",
+    decode_tokens: Annotated[int, typer.Option("--decode-tokens")] = 64,
+    rounds: int = 3,
+    as_json: Annotated[bool, typer.Option("--json")] = True,
+) -> None:
+    """Per rung: decode tok/s, prefill tok/s, RSS, load times, and the memory-bandwidth bound."""
+    from qladder.benchmarks.engines import run_engine_bench
+
+    _quiet_libraries()
+    try:
+        out = run_engine_bench(rungs.split(","), decode_tokens=decode_tokens, rounds=rounds)
+    except QladderError as exc:
+        _fail(str(exc))
+        return
+    typer.echo(json.dumps(out, indent=2 if not as_json else None))
+
+
+@bench_app.command("guard")
+def bench_guard(
+    steps: Annotated[int, typer.Option(help="Decode steps per configuration.")] = 400,
+    as_json: Annotated[bool, typer.Option("--json")] = True,
+) -> None:
+    """Guarded vs bare int4 step time (interleaved) and handoff latency with and without warm shadow."""
+    from qladder.benchmarks.guard import run_guard_bench
+
+    _quiet_libraries()
+    try:
+        out = run_guard_bench(steps=steps)
+    except QladderError as exc:
+        _fail(str(exc))
+        return
+    typer.echo(json.dumps(out, indent=2 if not as_json else None))
+
+
+def main() -> None:  # pragma: no cover
+    app()

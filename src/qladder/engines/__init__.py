@@ -1,0 +1,31 @@
+"""Engines: the rungs of the ladder. `load_engine(rung)` builds one on the model file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qladder.config import Settings
+from qladder.engines.base import Engine, Session, check_handoff, tokenizer_fingerprint
+from qladder.errors import ConfigError
+from qladder.model import ModelInfo, inspect_model
+
+RUNGS = ("int4", "w4a16", "fp32", "bf16")
+
+__all__ = ["RUNGS", "Engine", "Session", "check_handoff", "load_engine", "tokenizer_fingerprint"]
+
+
+def load_engine(
+    rung: str, model: ModelInfo | str | Path | None = None, settings: Settings | None = None
+) -> Engine:
+    """Load one rung on a GGUF (default: the embedded model). Raises ConfigError or ModelError."""
+    if rung not in RUNGS:
+        raise ConfigError(f"unknown rung {rung!r}; choose from {', '.join(RUNGS)}")
+    info = model if isinstance(model, ModelInfo) else inspect_model(model)
+    s = settings or Settings.from_env()
+    if rung == "int4":
+        from qladder.engines.llamacpp import LlamaCppEngine
+
+        return LlamaCppEngine(info, n_ctx=s.n_ctx, n_threads=s.n_threads)
+    from qladder.engines.torch_engine import TorchEngine
+
+    return TorchEngine(info, rung, cache_dir=s.cache_dir, n_ctx=s.n_ctx, n_threads=s.n_threads)

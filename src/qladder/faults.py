@@ -1,0 +1,169 @@
+"""Fault models for testing and validation. A fault hits the first rung only.
+
+Spec strings (CLI `--fault`):
+
+    nan@step=K      the logits row becomes all-NaN from step K on (an FP16 overflow that reached
+                    the softmax: the story's `NaN NaN NaN`)
+    inf@step=K      +Inf in the row from step K on (an overflowed GEMM output)
+    zero@step=K     an all-zero, finite row from step K on (llama.cpp's RMSNorm overflow in FP32:
+                    greedy then picks token 0; a NaN check alone misses it)
+    error@step=K    the step raises, like a kernel error or a device fault
+    stall@step=K[,s=S]  the step at K takes S extra seconds (a hung kernel or a preempted device)
+    gain@layer=L,channel=C,x=G
+                    multiply the hidden state's channel C after decoder layer L by G (torch rungs,
+                    through a forward hook; in fp16 this overflows for real). On `int4` it goes
+                    through llama.cpp's control vector, which *adds* a vector at `l_out`: the
+                    added value is (G - 1) x 24,900, SmolLM2's measured massive activation on
+                    layer 11 channel 507, applied at every position.
+
+Steps count generated tokens: step K is the logits row from which token K would be sampled
+(step 0 is the row right after prefill).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from qladder.engines.base import Engine, Session
+from qladder.errors import ConfigError, EngineError
+
+MASSIVE_ACTIVATION = 24_900.0  # SmolLM2-135M, layer 11-12, channel 507, FP32, first token
+STEP_KINDS = ("nan", "inf", "zero", "error", "stall")
+KINDS = (*STEP_KINDS, "gain")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int = 0
+    layer: int = 11
+    channel: int = 507
+    x: float = 1.0
+    stall_s: float = 3.0
+
+    def __str__(self) -> str:
+        if self.kind == "gain":
+            return f"gain@layer={self.layer},channel={self.channel},x={self.x:g}"
+        extra = f",s={self.stall_s:g}" if self.kind == "stall" else ""
+        return f"{self.kind}@step={self.step}{extra}"
+
+
+def parse_fault(spec: str) -> Fault:
+    """Parse `kind@key=value,...`. Raises ConfigError with the expected shape."""
+    kind, _, args = spec.strip().partition("@")
+    if kind not in KINDS:
+        raise ConfigError(f"unknown fault {kind!r} in {spec!r}; kinds: {', '.join(KINDS)}")
+    values: dict[str, str] = {}
+    for part in filter(None, args.split(",")):
+        key, eq, val = part.partition("=")
+        if not eq:
+            raise ConfigError(f"malformed fault argument {part!r} in {spec!r} (expected key=value)")
+        values[key.strip()] = val.strip()
+    try:
+        if kind == "gain":
+            unknown = set(values) - {"layer", "channel", "x"}
+            fault = Fault("gain", layer=int(values.get("layer", 11)), channel=int(values.get("channel", 507)),
+                          x=float(values["x"]))
+        else:
+            unknown = set(values) - {"step", "s"}
+            fault = Fault(kind, step=int(values.get("step", 0)), stall_s=float(values.get("s", 3.0)))
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"malformed fault {spec!r}: {exc}") from exc
+    if unknown:
+        raise ConfigError(f"unknown fault arguments {sorted(unknown)} in {spec!r}")
+    if fault.step < 0:
+        raise ConfigError(f"fault step must be >= 0 in {spec!r}")
+    return fault
+
+
+class FaultySession:
+    """Wraps a session and corrupts its steps from `fault.step` on. Implements Session."""
+
+    def __init__(self, inner: Session, faults: Sequence[Fault], prompt_len: int,
+                 sleep: Callable[[float], None] = time.sleep):
+        self._inner = inner
+        self._faults = [f for f in faults if f.kind in STEP_KINDS]
+        self._prompt_len = prompt_len
+        self._sleep = sleep
+        self._stalled: set[int] = set()
+
+    @property
+    def n_tokens(self) -> int:
+        return self._inner.n_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._inner.token_ids
+
+    def logits(self) -> torch.Tensor:
+        row = self._inner.logits()
+        step = self._inner.n_tokens - self._prompt_len
+        for f in self._faults:
+            if step < f.step:
+                continue
+            if f.kind == "error":
+                raise EngineError(f"injected kernel error at step {step}")
+            if f.kind == "stall" and step == f.step and step not in self._stalled:
+                self._stalled.add(step)
+                self._sleep(f.stall_s)
+            elif f.kind == "nan":
+                row = torch.full_like(row, float("nan"))
+            elif f.kind == "inf":
+                row = row.clone()
+                row[row.argmax()] = float("inf")
+            elif f.kind == "zero":
+                row = torch.zeros_like(row)
+        return row
+
+    def push(self, token_id: int) -> None:
+        self._inner.push(token_id)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        self._inner.extend(token_ids)
+
+    def rollback(self, n: int) -> None:
+        self._inner.rollback(n)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+@contextmanager
+def engine_faults(engine: Engine, faults: Sequence[Fault]) -> Iterator[None]:
+    """Install activation faults (gain) on an engine for one request, and remove them after."""
+    gains = [f for f in faults if f.kind == "gain"]
+    if not gains:
+        yield
+        return
+    if hasattr(engine, "add_layer_fault"):
+        for f in gains:
+            engine.add_layer_fault(f.layer, _gain_fn(f.channel, f.x))
+        try:
+            yield
+        finally:
+            engine.clear_faults()
+    elif hasattr(engine, "set_control_vector"):
+        if len(gains) > 1:
+            raise ConfigError("the int4 rung takes one gain fault at a time (one control vector)")
+        f = gains[0]
+        engine.set_control_vector(f.layer, f.channel, (f.x - 1.0) * MASSIVE_ACTIVATION)
+        try:
+            yield
+        finally:
+            engine.clear_control_vector()
+    else:
+        raise ConfigError(f"rung {engine.name} cannot take activation faults")
+
+
+def _gain_fn(channel: int, x: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def apply(h: torch.Tensor) -> torch.Tensor:  # (B, T, D)
+        h = h.clone()
+        h[..., channel] = h[..., channel] * x
+        return h
+
+    return apply

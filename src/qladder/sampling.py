@@ -1,0 +1,57 @@
+"""Sampling: greedy, or temperature / top-k / top-p with a seeded generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qladder.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """Draws one token id from a (V,) float32 logits row. Never sees a row the guard rejected."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self._gen = torch.Generator().manual_seed(params.seed)
+
+    def sample(self, row: torch.Tensor) -> int:
+        p = self.params
+        if p.greedy:
+            return int(row.argmax())
+        x = row / p.temperature  # (V,)
+        if p.top_k and p.top_k < x.numel():
+            kth = torch.topk(x, p.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_x, idx = torch.sort(x, descending=True)
+            cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
+            drop = cum - torch.softmax(sorted_x, dim=-1) >= p.top_p  # keep the first token always
+            x = x.scatter(0, idx[drop], float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self._gen))

@@ -77,17 +77,17 @@ class StepGuard:
         if c.check_logits or use_act:
             parts = [row.sum(), row.amax(), row.amin()] if c.check_logits else []
             if use_act:
-                assert activation_peaks is not None
-                parts.append(activation_peaks.amax())
-                parts.append(activation_peaks.argmax().to(torch.float32))
-            values = torch.stack(parts).tolist()  # the step's single host sync
-            if use_act:
-                assert activation_limit is not None
-                peak, layer = values[-2], int(values[-1])
+                assert activation_peaks is not None and activation_limit is not None
                 limit = c.activation_fraction * activation_limit
-                if not peak <= limit:  # NaN-safe
-                    return Hazard("activation", rung, step, peak, limit, layer,
-                                  f"max |hidden| {peak:.4g} over {c.activation_fraction:.0%} of {activation_limit:.6g}")
+                over = ~(activation_peaks <= limit)  # (L,) NaN counts as over
+                first = over.to(torch.uint8).argmax()  # the first layer past the limit
+                parts += [over.any().to(torch.float32), first.to(torch.float32), activation_peaks[first]]
+            values = torch.stack(parts).tolist()  # the step's single host sync
+            if use_act and values[-3]:
+                layer, peak = int(values[-2]), values[-1]
+                return Hazard("activation", rung, step, peak, limit, layer,
+                              f"max |hidden| {peak:.6g} at layer {layer} over "
+                              f"{c.activation_fraction:.0%} of {activation_limit:.6g}")
             if c.check_logits:
                 hazard = self._check_row(values[0], values[1], values[2], row.numel(), rung, step)
                 if hazard is not None:

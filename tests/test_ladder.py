@@ -1,0 +1,180 @@
+"""The ladder on scripted and real engines: hazards caught before emission, handoff by ids."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qladder.engines.scripted import ScriptedEngine
+from qladder.faults import parse_fault
+from qladder.incidents import IncidentStore
+from qladder.ladder import Ladder, LadderConfig
+from qladder.model import encode_segments, render_chat
+from qladder.policy import LadderPolicy
+from qladder.sampling import SamplingParams
+from qladder.types import FALLBACK_TEXT, FinishReason
+
+from .conftest import get_engine
+
+
+def test_write_up_example_nan_primary_backup_gives_token_2():
+    primary = ScriptedEngine(lambda ids: [1.0, math.nan, 2.5], 3, name="int4")
+    backup = ScriptedEngine(lambda ids: [1.0, 0.2, 8.5], 3, name="fp32")
+    store = IncidentStore()
+    r = Ladder([primary, backup], incidents=store).generate([0], SamplingParams(max_tokens=1))
+    assert r.token_ids == [2] and r.degraded and r.token_rungs == ["fp32"]
+    assert [h.check for h in r.hazards] == ["nonfinite"]
+    assert store.count() == 1
+
+
+def test_write_up_example_without_backup_gives_the_safe_fallback():
+    primary = ScriptedEngine(lambda ids: [1.0, math.nan, 2.5], 3, name="int4")
+    store = IncidentStore()
+    r = Ladder([primary], incidents=store).generate([0], SamplingParams(max_tokens=4))
+    assert r.finish_reason == FinishReason.DEGRADED and r.fallback and r.text == FALLBACK_TEXT
+    assert r.token_ids == [] and store.count() == 1
+    assert store.rows()[0]["action"] == "stop:degraded"
+
+
+def _chat(engine, text="Write one sentence about the sea."):
+    from qladder.model import inspect_model
+
+    return encode_segments(render_chat(inspect_model().chat_template, [{"role": "user", "content": text}]),
+                           engine.tokenize)
+
+
+def _greedy_from(engine, ids, n, eos):
+    s = engine.open(ids)
+    out = []
+    for _ in range(n):
+        t = int(s.logits().argmax())
+        if t in eos:
+            break
+        out.append(t)
+        s.push(t)
+    s.close()
+    return out
+
+
+@pytest.mark.parametrize("k", [0, 1, 5])
+def test_nan_fault_hands_off_and_continues_as_fp32_would(k):
+    int4, fp32 = get_engine("int4"), get_engine("fp32")
+    prompt = _chat(int4)
+    store = IncidentStore()
+    ladder = Ladder([int4, fp32], incidents=store)
+    r = ladder.generate(prompt, SamplingParams(max_tokens=16), faults=[parse_fault(f"nan@step={k}")])
+    assert r.token_rungs[:k] == ["int4"] * k
+    assert r.token_rungs[k:] == ["fp32"] * (len(r.token_ids) - k)
+    assert [(h.check, h.step, h.rung) for h in r.hazards] == [("nonfinite", k, "int4")]
+    assert store.count() == 1 and len(r.handoffs) == 1 and r.handoffs[0].step == k
+    # Nothing from step k was emitted: the rest is what fp32 generates fed the same prefix.
+    prefix = r.token_ids[:k]
+    rest = _greedy_from(fp32, prompt + prefix, 16 - k, fp32.eos_ids)
+    assert r.token_ids[k:] == rest
+    assert all(math.isfinite(float(t)) for t in r.token_ids)
+
+
+@pytest.mark.parametrize("spec,check", [
+    ("zero@step=2", "flat"),
+    ("inf@step=2", "nonfinite"),
+    ("error@step=2", "engine_error"),
+    ("stall@step=2,s=0.3", "deadline"),
+])
+def test_each_fault_is_caught_and_recorded_once(spec, check):
+    int4, fp32 = get_engine("int4"), get_engine("fp32")
+    from qladder.health.guard import GuardConfig
+
+    store = IncidentStore()
+    cfg = LadderConfig(guard=GuardConfig(step_deadline_s=0.2))
+    r = Ladder([int4, fp32], cfg, incidents=store).generate(_chat(int4), SamplingParams(max_tokens=8),
+                                                             faults=[parse_fault(spec)])
+    assert [h.check for h in r.hazards] == [check]
+    assert r.hazards[0].step == 2 and r.token_rungs[:2] == ["int4", "int4"]
+    assert set(r.token_rungs[2:]) == {"fp32"}
+    assert store.count() == len(r.hazards) == 1
+    row = store.rows()[0]
+    assert row["check_name"] == check and row["action"] == "handoff:fp32"
+    assert row["handoff_latency_ms"] is not None and row["prompt_text"] is None
+
+
+def test_every_fault_without_backup_ends_in_fallback_not_exception():
+    int4 = get_engine("int4")
+    for spec in ["nan@step=0", "zero@step=1", "inf@step=0", "error@step=0"]:
+        store = IncidentStore()
+        r = Ladder([int4], incidents=store).generate(_chat(int4), SamplingParams(max_tokens=6),
+                                                     faults=[parse_fault(spec)])
+        assert r.finish_reason == FinishReason.DEGRADED and r.fallback
+        assert store.count() == 1
+
+
+def _w4a16_logits_with_gain(w4a16, prompt, x):
+    w4a16.add_layer_fault(11, lambda h: h * torch.where(torch.arange(h.shape[-1]) == 507, x, 1.0).to(h.dtype))
+    try:
+        s = w4a16.open(prompt)
+        row = s.logits().clone()
+        s.close()
+        return row
+    finally:
+        w4a16.clear_faults()
+
+
+def test_gain_fault_on_w4a16_caught_by_activation_headroom_before_nonfinite():
+    w4a16, fp32 = get_engine("w4a16"), get_engine("fp32")
+    prompt = _chat(fp32, "Hi")
+    # The fp16 boundary is real: x=2.5 lifts channel 507 to ~62,300 (95% of 65,504) with finite
+    # logits; x=3 overflows to inf and the logits become non-finite.
+    assert torch.isfinite(_w4a16_logits_with_gain(w4a16, prompt, 2.5)).all()
+    assert not torch.isfinite(_w4a16_logits_with_gain(w4a16, prompt, 3.0)).all()
+    for x, finite in [(2.5, True), (3.0, False)]:
+        store = IncidentStore()
+        r = Ladder([w4a16, fp32], incidents=store).generate(
+            prompt, SamplingParams(max_tokens=12), faults=[parse_fault(f"gain@layer=11,channel=507,x={x}")])
+        assert [h.check for h in r.hazards] == ["activation"], x
+        h = r.hazards[0]
+        assert h.step == 0 and h.layer == 11 and h.value is not None and h.value > 0.6 * 65504
+        assert math.isfinite(h.value) == finite
+        assert set(r.token_rungs) == {"fp32"} and r.text.strip() and store.count() == 1
+    # Without the fault, w4a16 serves the prompt itself: its natural peak (~25k, 38%) is inside.
+    r = Ladder([w4a16, fp32]).generate(prompt, SamplingParams(max_tokens=4))
+    assert r.hazards == [] and set(r.token_rungs) == {"w4a16"}
+
+
+def test_clean_prompts_do_not_climb():
+    int4, fp32 = get_engine("int4"), get_engine("fp32")
+    prompts = ["What is the capital of Italy?", "Write a haiku about autumn.", "What is 12 times 7?",
+               "Explain what a CPU does in two sentences.", "def add(a, b):\n    # complete this",
+               "List three fruits.", "Translate 'good morning' to French.", "Why is the sky blue?"]
+    ladder = Ladder([int4, fp32])
+    for p in prompts:
+        r = ladder.generate(_chat(int4, p), SamplingParams(max_tokens=24))
+        assert r.handoffs == [] and not r.fallback, (p, r.hazards)
+
+
+def test_return_to_rung_zero_after_k_healthy_tokens():
+    int4, fp32 = get_engine("int4"), get_engine("fp32")
+    cfg = LadderConfig(policy=LadderPolicy(return_after=3))
+    r = Ladder([int4, fp32], cfg).generate(_chat(int4), SamplingParams(max_tokens=10),
+                                           faults=[parse_fault("stall@step=1,s=0")])
+    assert r.hazards == []  # a zero-second stall is no hazard
+    r = Ladder([int4, fp32], cfg).generate(_chat(int4), SamplingParams(max_tokens=10),
+                                           faults=[parse_fault("error@step=2")])
+    # The error is sticky (a broken kernel stays broken): each return hits it again.
+    assert r.token_rungs[:2] == ["int4", "int4"] and "fp32" in r.token_rungs
+    assert all(h.check == "engine_error" for h in r.hazards) and len(r.hazards) >= 2
+    assert len(r.handoffs) >= 2 and r.handoffs[1].to_rung == "int4"
+
+
+def test_warm_shadow_handoff_matches_cold():
+    int4, fp32 = get_engine("int4"), get_engine("fp32")
+    prompt = _chat(int4)
+    fault = [parse_fault("nan@step=6")]
+    cold = Ladder([int4, fp32]).generate(prompt, SamplingParams(max_tokens=12), faults=fault)
+    warm = Ladder([int4, fp32], LadderConfig(warm_shadow=True, shadow_sync_every=4)).generate(
+        prompt, SamplingParams(max_tokens=12), faults=fault)
+    assert warm.handoffs[0].warm and not cold.handoffs[0].warm
+    assert warm.handoffs[0].caught_up_tokens < cold.handoffs[0].caught_up_tokens
+    assert warm.token_ids[:6] == cold.token_ids[:6]
+
+

@@ -108,6 +108,8 @@ class _Run:
         self.push_s = 0.0
         self.t0 = ladder.clock()
         self.timings: dict[str, float] = {}
+        self.step_ms: list[float] = []
+        self.last_accept: float | None = None
 
     # -- sessions --------------------------------------------------------------------------
     @property
@@ -183,7 +185,7 @@ class _Run:
             assert row is not None
             self.note_first_token()
             token = self.sampler.sample(row)
-            if token in self.L.engines[self.rung].eos_ids:
+            if token in self.L.engines[self.rung].eos_ids and not self.params.ignore_eos:
                 return self.finish(FinishReason.STOP)
             self.accept(int(token))
             if self.hit_stop_string():
@@ -211,6 +213,10 @@ class _Run:
         return row, self.L.guard.check(row, self.accepted, name, peaks, limit)
 
     def accept(self, token: int) -> None:
+        now = self.L.clock()
+        if self.last_accept is not None:
+            self.step_ms.append((now - self.last_accept) * 1e3)
+        self.last_accept = now
         self.accepted.append(token)
         self.token_rungs.append(self.L.engines[self.rung].name)
         self.streak += 1
@@ -318,4 +324,4 @@ class _Run:
         return GenerationResult(text=text, token_ids=list(self.accepted), token_rungs=list(self.token_rungs),
                                 finish_reason=reason, prompt_tokens=len(self.prompt),
                                 hazards=list(self.hazards), handoffs=list(self.handoffs),
-                                fallback=fallback, timings=dict(self.timings))
+                                fallback=fallback, timings=dict(self.timings), step_ms=self.step_ms)

@@ -17,6 +17,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int = 0
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks: always decode max_tokens
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

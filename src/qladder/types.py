@@ -66,6 +66,7 @@ class GenerationResult:
     handoffs: list[Handoff] = field(default_factory=list)
     fallback: bool = False  # the text is (or ends in) the safe fallback answer
     timings: dict[str, float] = field(default_factory=dict)
+    step_ms: list[float] = field(default_factory=list)  # per emitted token after the first
 
     @property
     def degraded(self) -> bool:

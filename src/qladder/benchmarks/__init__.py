@@ -1,0 +1,1 @@
+"""Benchmarks behind `qladder bench ...`; each prints JSON with its environment recorded."""

@@ -5,8 +5,7 @@
      ├── ModelError                  the model file is missing, corrupt, or of an unsupported architecture
      ├── InputError                  the request cannot be served as given (e.g. longer than the context)
      ├── TokenizerMismatchError      a handoff between engines whose tokenizers differ is refused
-     └── EngineError                 recoverable: one engine step failed (kernel error, bad state);
-          └── StepDeadlineError      the step took longer than its deadline
+     └── EngineError                 recoverable: one engine step failed (kernel error, bad state)
 
 Recoverable errors (EngineError) are caught by the ladder and become hazards; the others are
 raised to the caller before any token is produced.
@@ -37,7 +36,3 @@ class TokenizerMismatchError(QladderError):
 
 class EngineError(QladderError, RuntimeError):
     """An engine step failed; the session that raised it must not be trusted any more."""
-
-
-class StepDeadlineError(EngineError):
-    """A step exceeded its deadline."""

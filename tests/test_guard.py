@@ -1,0 +1,161 @@
+"""Health checks and the pure policy: exact verdicts on constructed rows and histories."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qladder.faults import parse_fault
+from qladder.health import GUARD_PRESETS, GuardConfig, StepGuard, find_repetition
+from qladder.policy import Continue, Handoff, LadderPolicy, Stop
+from qladder.types import FinishReason, Hazard
+
+V = 49152
+
+
+def _normal_row(seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    row = torch.randn(V, generator=g) * 2.0  # (V,)
+    row[123] = 25.0  # a confident next token, as a language model has
+    return row
+
+
+def test_healthy_row_passes():
+    assert StepGuard().check(_normal_row(), [], "int4") is None
+
+
+@pytest.mark.parametrize("value,check", [(math.nan, "nonfinite"), (math.inf, "nonfinite"),
+                                         (-math.inf, "nonfinite"), (1e6, "magnitude")])
+def test_single_bad_entry_is_caught(value, check):
+    row = _normal_row()
+    row[7] = value
+    h = StepGuard().check(row, [1, 2, 3], "int4")
+    assert h is not None and h.check == check and h.step == 3 and h.rung == "int4"
+
+
+def test_all_nan_row_is_caught_and_never_healed():
+    row = torch.full((V,), math.nan)
+    h = StepGuard().check(row, [], "int4")
+    assert h is not None and h.check == "nonfinite"
+    # nan_to_num would have made it uniform: the guard also rejects that "healed" row.
+    healed = torch.nan_to_num(row)
+    h2 = StepGuard().check(healed, [], "int4")
+    assert h2 is not None and h2.check == "flat"
+
+
+@pytest.mark.parametrize("row", [torch.zeros(V), torch.full((V,), 3.5), torch.randn(V) * 0.1])
+def test_flat_rows_are_caught(row):
+    h = StepGuard().check(row, [], "int4")
+    assert h is not None and h.check == "flat" and h.value is not None and h.value < h.threshold
+
+
+def test_flat_threshold_is_relative_to_the_vocabulary():
+    # The write-up's `max_prob < 1e-7` can never fire at V = 49,152: uniform is 2e-5.
+    assert 1.0 / V > 1e-7
+    # Our bound: a gap under ln(64) means every probability is under 64 / V.
+    row = torch.zeros(V)
+    row[0] = math.log(64.0) * 0.99  # a single token slightly above the rest: still diffuse
+    assert torch.softmax(row, -1).max() < 64.0 / V
+    assert StepGuard().check(row, [], "int4").check == "flat"
+
+
+def test_activation_headroom_fires_on_the_first_layer_over_the_limit():
+    peaks = torch.tensor([100.0] * 11 + [50_000.0, math.inf, math.nan] + [10.0] * 16)
+    h = StepGuard().check(_normal_row(), [], "w4a16", peaks, 65504.0)
+    assert h is not None and (h.check, h.layer, h.value) == ("activation", 11, 50_000.0)
+    assert h.threshold == pytest.approx(0.6 * 65504.0)
+    ok = torch.tensor([30_736.0] + [1000.0] * 29)  # SmolLM2's natural fp16 peak: 47%
+    assert StepGuard().check(_normal_row(), [], "w4a16", ok, 65504.0) is None
+
+
+def test_activation_nan_counts_as_over():
+    peaks = torch.tensor([1.0, math.nan, 1.0])
+    h = StepGuard().check(_normal_row(), [], "w4a16", peaks, 65504.0)
+    assert h is not None and h.layer == 1 and math.isnan(h.value)
+
+
+def test_off_preset_checks_nothing():
+    row = torch.full((V,), math.nan)
+    assert StepGuard(GUARD_PRESETS["off"]).check(row, [5] * 100, "int4", torch.tensor([math.inf]), 1.0) is None
+
+
+def test_repetition_loop_is_caught():
+    cfg = GuardConfig()
+    loop = [1, 2, 3] + [7, 8, 9, 10] * 10
+    h = StepGuard(cfg).check(_normal_row(), loop, "int4")
+    assert h is not None and h.check == "repetition" and h.value == 4.0
+    assert StepGuard(cfg).check(_normal_row(), list(range(100)), "int4") is None
+
+
+def test_find_repetition_exact():
+    assert find_repetition([5] * 40, 1, 8, 8, 32) == 1
+    assert find_repetition([5] * 31, 1, 8, 8, 32) is None  # span too short
+    assert find_repetition([1, 2] * 16, 1, 8, 8, 32) == 2
+    assert find_repetition([1, 2] * 16 + [3], 1, 8, 8, 32) is None
+    assert find_repetition([], 1, 8, 2) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 5), max_size=200), st.integers(1, 6), st.integers(2, 5))
+def test_find_repetition_agrees_with_brute_force(ids, max_p, reps):
+    got = find_repetition(ids, 1, max_p, reps)
+    expected = None
+    for p in range(1, max_p + 1):
+        span = p * reps
+        if span <= len(ids) and p < len(ids) and all(ids[-span + i] == ids[-span + i + p] for i in range(span - p)):
+            expected = p
+            break
+    assert got == expected
+
+
+# -- policy --------------------------------------------------------------------------------------
+
+def _h(check="nonfinite"):
+    return Hazard(check, "int4", 3)
+
+
+def test_policy_climbs_then_falls_back():
+    p = LadderPolicy()
+    assert p.on_hazard(_h(), 0, 2, 0) == Handoff(1)
+    assert p.on_hazard(_h(), 1, 2, 1) == Stop(FinishReason.DEGRADED, fallback=True)
+    assert p.on_hazard(_h(), 0, 1, 0) == Stop(FinishReason.DEGRADED, fallback=True)
+
+
+def test_policy_model_loop_stops_without_climbing():
+    p = LadderPolicy()
+    assert p.on_hazard(_h("repetition"), 0, 2, 0, reproduced=True) == Stop(FinishReason.REPETITION, False)
+    assert p.on_hazard(_h("repetition"), 0, 2, 0, reproduced=False) == Handoff(1)
+    assert p.on_hazard(_h("repetition"), 1, 2, 1) == Stop(FinishReason.REPETITION, False)
+
+
+def test_policy_return_after_k_and_bound():
+    p = LadderPolicy(return_after=3, max_handoffs=4)
+    assert p.on_token(1, 2, 1) == Continue()
+    assert p.on_token(1, 3, 1) == Handoff(0)
+    assert p.on_token(0, 99, 1) == Continue()
+    assert p.on_token(1, 3, 4) == Continue()
+    assert p.on_hazard(_h(), 0, 2, 4) == Stop(FinishReason.DEGRADED, fallback=True)
+    assert LadderPolicy().on_token(1, 1000, 1) == Continue()
+
+
+# -- fault specs ------------------------------------------------------------------------------------
+
+def test_parse_faults():
+    f = parse_fault("gain@layer=11,channel=507,x=2.5")
+    assert (f.kind, f.layer, f.channel, f.x) == ("gain", 11, 507, 2.5)
+    assert str(f) == "gain@layer=11,channel=507,x=2.5"
+    assert parse_fault("nan@step=4").step == 4
+    assert parse_fault("stall@step=1,s=0.5").stall_s == 0.5
+
+
+@pytest.mark.parametrize("spec", ["nan@step=-1", "gain@layer=1", "nan@stp=1", "nan@step", "x@step=1",
+                                  "gain@layer=a,x=2"])
+def test_bad_fault_specs_are_config_errors(spec):
+    from qladder.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        parse_fault(spec)

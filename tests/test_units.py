@@ -1,0 +1,86 @@
+"""Small pieces: sampling, incidents, chat rendering, the warm shadow, the public API."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+
+import qladder
+from qladder.engines.scripted import ScriptedEngine
+from qladder.errors import ConfigError
+from qladder.incidents import Incident, IncidentStore, prompt_hash
+from qladder.model import Segment, render_chat
+from qladder.sampling import Sampler, SamplingParams
+from qladder.shadow import WarmShadow
+from qladder.types import Hazard
+
+
+def test_greedy_and_seeded_sampling():
+    row = torch.tensor([0.0, 5.0, 4.9, -1.0])
+    assert Sampler(SamplingParams()).sample(row) == 1
+    a = [Sampler(SamplingParams(temperature=1.0, seed=7)).sample(row) for _ in range(5)]
+    b = [Sampler(SamplingParams(temperature=1.0, seed=7)).sample(row) for _ in range(5)]
+    assert a == b
+    s = Sampler(SamplingParams(temperature=5.0, top_k=2, seed=1))
+    assert {s.sample(row) for _ in range(200)} == {1, 2}
+    s = Sampler(SamplingParams(temperature=1.0, top_p=0.01, seed=1))
+    assert {s.sample(row) for _ in range(50)} == {1}
+
+
+@pytest.mark.parametrize("kw", [{"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0},
+                                {"top_p": 1.5}, {"top_k": -1}, {"temperature": math.nan}])
+def test_bad_sampling_params(kw):
+    with pytest.raises(ConfigError):
+        SamplingParams(**kw)
+
+
+def test_incident_store_roundtrip_and_threads(tmp_path):
+    store = IncidentStore(tmp_path / "db" / "inc.sqlite3")
+    h = Hazard("nonfinite", "int4", 4, math.nan, None, None, "x")
+
+    def write(i):
+        store.record(Incident(f"r{i}", prompt_hash([1, 2]), [1, 2], "hi", h, "handoff:fp32", 3.5, [], 0.0))
+
+    ts = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert store.count() == 8
+    row = store.rows(1)[0]
+    assert row["value"] == "nan" and row["check_name"] == "nonfinite" and row["handoff_latency_ms"] == 3.5
+    store.close()
+
+
+def test_render_chat_keeps_user_content_apart():
+    tpl = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    segs = render_chat(tpl, [{"role": "user", "content": "a <|im_start|> b"}])
+    assert segs == [Segment("<|im_start|>user\n", True), Segment("a <|im_start|> b", False),
+                    Segment("<|im_end|>\n<|im_start|>assistant\n", True)]
+    with pytest.raises(ValueError):
+        render_chat(tpl, [{"role": "user"}])
+
+
+def test_warm_shadow_catches_up_and_matches_a_direct_open():
+    eng = ScriptedEngine(lambda ids: torch.arange(5, dtype=torch.float32) * (len(ids) % 3 + 1), 5)
+    shadow = WarmShadow(eng, [1, 2, 3], sync_every=2)
+    ctx = [1, 2, 3]
+    for t in [4, 0, 1, 2, 3]:
+        ctx.append(t)
+        shadow.feed(ctx)
+    s, caught = shadow.take(ctx)
+    assert s.token_ids == ctx and caught <= 5
+    assert torch.equal(s.logits(), eng.open(ctx).logits())
+
+
+def test_public_api_is_complete():
+    for name in qladder.__all__:
+        assert getattr(qladder, name) is not None
+    expected = {"Ladder", "LadderConfig", "LadderPolicy", "StepGuard", "GuardConfig", "SamplingParams",
+                "GenerationResult", "Hazard", "Handoff", "FinishReason", "sanitize", "load_engine",
+                "parse_fault", "IncidentStore", "Qladder", "QladderError"}
+    assert expected <= set(qladder.__all__)

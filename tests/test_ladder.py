@@ -9,6 +9,7 @@ import torch
 
 from qladder.engines.scripted import ScriptedEngine
 from qladder.faults import parse_fault
+from qladder.health.guard import GUARD_PRESETS
 from qladder.incidents import IncidentStore
 from qladder.ladder import Ladder, LadderConfig
 from qladder.model import encode_segments, render_chat
@@ -178,3 +179,32 @@ def test_warm_shadow_handoff_matches_cold():
     assert warm.token_ids[:6] == cold.token_ids[:6]
 
 
+
+
+def test_int4_activation_monitor_sees_the_massive_activation():
+    int4 = get_engine("int4")
+    assert int4.monitor is not None, int4.monitor_error
+    int4.monitor_activations(True)
+    s = int4.open(_chat(int4, "Hi"))
+    peaks = int4.activation_peaks.clone()
+    s.close()
+    # SmolLM2's residual stream carries ~24,900 on channel 507 from layer 11 on (first token).
+    assert 20_000 < float(peaks[11]) < 32_000 and float(peaks[5]) < 2_000
+    assert float(peaks.max()) < 0.6 * 65504
+
+
+@pytest.mark.parametrize("x", [2.5, 4.0])
+def test_int4_gain_fault_caught_at_prefill_by_the_activation_monitor(x):
+    int4, fp32 = get_engine("int4"), get_engine("fp32")
+    store = IncidentStore()
+    r = Ladder([int4, fp32], incidents=store).generate(
+        _chat(int4, "What is the capital of France? Answer in one sentence."), SamplingParams(max_tokens=16),
+        faults=[parse_fault(f"gain@layer=11,channel=507,x={x}")])
+    assert [(h.check, h.step, h.layer) for h in r.hazards] == [("activation", 0, 11)]
+    assert set(r.token_rungs) == {"fp32"} and "Paris" in r.text
+    assert store.count() == 1
+    # Bare, the same fault is silent garbage: finite logits, a wrong answer.
+    bare = Ladder([int4], LadderConfig(guard=GUARD_PRESETS["off"])).generate(
+        _chat(int4, "What is the capital of France? Answer in one sentence."), SamplingParams(max_tokens=16),
+        faults=[parse_fault(f"gain@layer=11,channel=507,x={x}")])
+    assert bare.hazards == [] and "Paris" not in bare.text

@@ -14,7 +14,8 @@ Spec strings (CLI `--fault`):
                     through a forward hook; in fp16 this overflows for real). On `int4` it goes
                     through llama.cpp's control vector, which *adds* a vector at `l_out`: the
                     added value is (G - 1) x 24,900, SmolLM2's measured massive activation on
-                    layer 11 channel 507, applied at every position.
+                    layer 11 channel 507, applied at every position. llama.cpp computes in fp32,
+                    so this stays finite there: bare, it is silent garbage (",,,," or newlines).
 
 Steps count generated tokens: step K is the logits row from which token K would be sampled
 (step 0 is the row right after prefill).

@@ -58,6 +58,9 @@ class Ladder:
         self.guard = StepGuard(self.config.guard)
         self.incidents = incidents
         self.clock = clock
+
+    def _set_monitors(self) -> None:
+        """Engines may be shared between ladders: each request sets the monitors it needs."""
         for e in self.engines:
             monitor = getattr(e, "monitor_activations", None)
             if monitor is not None:
@@ -73,6 +76,7 @@ class Ladder:
         if len(prompt_ids) >= self.engines[0].n_ctx:
             raise InputError(f"prompt of {len(prompt_ids)} tokens does not fit the context of "
                              f"{self.engines[0].n_ctx}; truncate it (qladder.sanitize) or raise n_ctx")
+        self._set_monitors()
         run = _Run(self, list(prompt_ids), params or SamplingParams(), list(faults),
                    prompt_text, request_id or uuid.uuid4().hex[:12])
         with engine_faults(self.engines[0], [f for f in faults if f.kind == "gain"]):
@@ -209,7 +213,7 @@ class _Run:
                                detail=f"step took {took * 1e3:.0f} ms")
         engine = self.L.engines[self.rung]
         peaks = getattr(engine, "activation_peaks", None)
-        limit = float(torch.finfo(engine.dtype).max) if peaks is not None else None
+        limit = getattr(engine, "activation_limit", None)
         return row, self.L.guard.check(row, self.accepted, name, peaks, limit)
 
     def accept(self, token: int) -> None:

@@ -1,8 +1,9 @@
 """`qladder bench guard`: what the step guard costs on the int4 rung, and what a handoff costs.
 
-1. Step time, guarded vs bare: the same greedy decodes through the real ladder, the guard preset
-   "off" against "default", alternating run by run (interleaved), each run 64 tokens with EOS
-   ignored, until each side has `steps` step samples. A step is accept-to-accept: push (decode),
+1. Step time, guarded vs bare: the same greedy decodes through the real ladder; bare is a plain
+   llama.cpp context with the guard preset "off", guarded the context with the C activation
+   monitor and the "default" guard; alternating run by run (interleaved), each run 64 tokens with
+   EOS ignored, until each side has `steps` step samples. A step is accept-to-accept: push (decode),
    logits, guard, sample. Reported: medians, p99s and their ratios.
 2. Handoff latency: a NaN fault at step K sends the request from int4 to fp32 at a total context
    of 64, 512 and 1024 tokens (prompt = context - K, K = context / 2), with and without a warm
@@ -41,16 +42,18 @@ PROMPTS = [
 ]
 
 
-def _step_times(int4: Engine, steps: int, chunk: int) -> dict[str, Any]:
+def _step_times(bare_int4: Engine, int4: Engine, steps: int, chunk: int) -> dict[str, Any]:
+    """bare: a plain llama.cpp context, guard off; guarded: the monitored context, guard on."""
     info = inspect_model()
-    ladders = {name: Ladder([int4], LadderConfig(guard=GUARD_PRESETS[preset]))
-               for name, preset in (("bare", "off"), ("guarded", "default"))}
+    ladders = {"bare": Ladder([bare_int4], LadderConfig(guard=GUARD_PRESETS["off"])),
+               "guarded": Ladder([int4], LadderConfig(guard=GUARD_PRESETS["default"]))}
     samples: dict[str, list[float]] = {"bare": [], "guarded": []}
     hazards = {"bare": 0, "guarded": 0}
     params = SamplingParams(max_tokens=chunk, ignore_eos=True)
     ids = [encode_segments(render_chat(info.chat_template, [{"role": "user", "content": p}]), int4.tokenize)
            for p in PROMPTS]
-    ladders["bare"].generate(ids[0], params)  # warm-up
+    for ladder in ladders.values():  # warm-up
+        ladder.generate(ids[0], params)
     i = 0
     while min(len(v) for v in samples.values()) < steps:
         order = ("bare", "guarded") if i % 2 == 0 else ("guarded", "bare")
@@ -112,11 +115,13 @@ def _handoffs(int4: Engine, fp32: Engine, contexts: tuple[int, ...], repeats: in
 def run_guard_bench(steps: int = 400, chunk: int = 64, contexts: tuple[int, ...] = (64, 512, 1024),
                     repeats: int = 2) -> dict[str, Any]:
     settings = Settings.from_env()
+    bare_int4 = load_engine("int4", settings=replace(settings, int4_monitor=False))
     int4 = load_engine("int4", settings=settings)
     fp32 = load_engine("fp32", settings=settings)
     try:
-        out: dict[str, Any] = {"benchmark": "guard", "rung": "int4"}
-        out["step"] = _step_times(int4, steps, chunk)
+        out: dict[str, Any] = {"benchmark": "guard", "rung": "int4",
+                               "int4_activation_monitor": getattr(int4, "monitor", None) is not None}
+        out["step"] = _step_times(bare_int4, int4, steps, chunk)
         out["overhead_ratio"] = out["step"]["overhead_ratio"]
         out["overhead_ratio_p99"] = out["step"]["overhead_ratio_p99"]
         out["handoff"] = _handoffs(int4, fp32, contexts, repeats)
@@ -126,5 +131,5 @@ def run_guard_bench(steps: int = 400, chunk: int = 64, contexts: tuple[int, ...]
                          "guard_presets": {"bare": "off", "guarded": "default"}}
         return out
     finally:
-        int4.close()
-        fp32.close()
+        for e in (bare_int4, int4, fp32):
+            e.close()

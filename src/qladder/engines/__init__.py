@@ -25,7 +25,8 @@ def load_engine(
     if rung == "int4":
         from qladder.engines.llamacpp import LlamaCppEngine
 
-        return LlamaCppEngine(info, n_ctx=s.n_ctx, n_threads=s.n_threads)
+        return LlamaCppEngine(info, n_ctx=s.n_ctx, n_threads=s.n_threads,
+                              monitor_dir=s.cache_dir if s.int4_monitor else None)
     from qladder.engines.torch_engine import TorchEngine
 
     return TorchEngine(info, rung, cache_dir=s.cache_dir, n_ctx=s.n_ctx, n_threads=s.n_threads)

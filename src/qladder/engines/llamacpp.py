@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from qladder.engines.base import tokenizer_fingerprint
+from qladder.engines.monitor import ActivationMonitor
 from qladder.errors import EngineError, InputError, ModelError
 from qladder.model import ModelInfo
 
@@ -28,7 +30,9 @@ from qladder.model import ModelInfo
 class LlamaCppEngine:
     name = "int4"
 
-    def __init__(self, info: ModelInfo, n_ctx: int = 2048, n_threads: int = 1, n_batch: int = 512):
+    def __init__(self, info: ModelInfo, n_ctx: int = 2048, n_threads: int = 1, n_batch: int = 512,
+                 monitor_dir: Path | None = None):
+        """monitor_dir: where to build the C activation monitor; None runs without it."""
         import llama_cpp
 
         self._lib = llama_cpp
@@ -53,6 +57,28 @@ class LlamaCppEngine:
         self.n_embd = info.n_embd
         self.eos_ids = frozenset({info.eos_id})
         self._ctx = self.llm._ctx.ctx
+        # Activation monitor (cb_eval): a context of our own with the C callback installed.
+        # Its peaks are compared with fp16's maximum: the activation dtype of the GPU INT4
+        # (W4A16) kernels this rung stands for, even though llama.cpp's CPU path computes in fp32.
+        self.monitor: ActivationMonitor | None = None
+        self.activation_peaks: torch.Tensor | None = None
+        self.activation_limit = float(torch.finfo(torch.float16).max)
+        self._own_ctx = None
+        self.monitor_error: str | None = None
+        if monitor_dir is not None:
+            try:
+                self.monitor = ActivationMonitor(info.n_layer, monitor_dir)
+            except EngineError as exc:  # no compiler: run unmonitored, and say so
+                self.monitor_error = str(exc)
+        if self.monitor is not None:
+            params = self.llm.context_params
+            params.cb_eval = self.monitor.callback
+            params.cb_eval_user_data = self.monitor.user_data
+            ctx = llama_cpp.llama_init_from_model(self.llm._model.model, params)
+            if not ctx:
+                raise ModelError("llama.cpp could not create a monitored context")
+            self._own_ctx = ctx
+            self._ctx = ctx
         self._vocab = self.llm._model.vocab
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self._fingerprint: str | None = None
@@ -82,6 +108,13 @@ class LlamaCppEngine:
     def detokenize(self, token_ids: Sequence[int]) -> str:
         body = [t for t in token_ids if t not in self.eos_ids]
         return self.llm.detokenize(body).decode("utf-8", "replace")
+
+    def monitor_activations(self, enabled: bool = True) -> None:
+        """Record per-layer max |hidden| on every decode (needs the monitor built at load)."""
+        if self.monitor is None:
+            return
+        self.monitor.enabled = enabled
+        self.activation_peaks = torch.from_numpy(self.monitor.peaks) if enabled else None
 
     # -- control vector (fault injection through the real kernels) ---------------------------
     def set_control_vector(self, layer: int, channel: int, value: float) -> None:
@@ -114,6 +147,9 @@ class LlamaCppEngine:
     def close(self) -> None:
         if self._owner is not None:
             self._owner.close()
+        if self.monitor is not None and self._own_ctx is not None:
+            self._lib.llama_free(self._own_ctx)
+            self._own_ctx = None
         self.llm.close()
 
 
@@ -146,6 +182,8 @@ class LlamaCppSession:
         if len(self._ids) + len(ids) > e.n_ctx:
             raise EngineError(f"context full ({e.n_ctx} tokens)")
         batch = e.llm._batch
+        if e.monitor is not None and e.monitor.enabled:
+            e.monitor.reset()  # peaks cover this call's positions only
         for i in range(0, len(ids), e.llm.n_batch):
             chunk = ids[i : i + e.llm.n_batch]
             batch.set_batch(batch=chunk, n_past=len(self._ids), logits_all=False)

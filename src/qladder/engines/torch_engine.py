@@ -91,6 +91,7 @@ class TorchEngine:
         self._fingerprint: str | None = None
         # Activation monitor: per-layer max |hidden| of the last forward, preallocated.
         self.activation_peaks = torch.zeros(self.n_layer, dtype=torch.float32)
+        self.activation_limit = float(torch.finfo(self.dtype).max)
         self._monitor_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._fault_handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -121,6 +122,8 @@ class TorchEngine:
     # -- monitors and faults (hooks on decoder layers) ---------------------------------------
     def monitor_activations(self, enabled: bool = True) -> None:
         """Record max |hidden| after every decoder layer of each forward into `activation_peaks`."""
+        if enabled == bool(self._monitor_handles):
+            return
         for h in self._monitor_handles:
             h.remove()
         self._monitor_handles = []
@@ -145,10 +148,9 @@ class TorchEngine:
                 return (fn(out[0]), *out[1:])
             return fn(out)  # type: ignore[arg-type]
 
-        # Registered before the monitor hooks run? Order: hooks run in registration order, so
-        # re-register monitors after faults to observe the faulted value.
         self._fault_handles.append(self.model.model.layers[layer].register_forward_hook(hook))
-        if self._monitor_handles:
+        if self._monitor_handles:  # re-register so the monitor runs after the fault
+            self.monitor_activations(False)
             self.monitor_activations(True)
 
     def clear_faults(self) -> None:

@@ -1,0 +1,76 @@
+"""Per-layer activation peaks for the int4 rung, through llama.cpp's eval callback (`cb_eval`).
+
+The callback is a few lines of C (`native/act_monitor.c`), compiled once with the system C
+compiler against the ggml shipped in llama-cpp-python and cached beside the torch weights. A
+Python callback would run for every graph node (~1 us each, ~10% of a decode step); in C the
+cost is the graph splits at each observed layer output and one pass over its values.
+If no compiler is available, `load_monitor` raises EngineError and the rung runs unmonitored.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from qladder.errors import EngineError
+
+SOURCE = Path(__file__).parent / "native" / "act_monitor.c"
+
+
+class _State(ctypes.Structure):
+    _fields_ = [("enabled", ctypes.c_int32), ("n_layer", ctypes.c_int32), ("observed", ctypes.c_int64),
+                ("peaks", ctypes.POINTER(ctypes.c_float))]
+
+
+def _build(cache_dir: Path) -> Path:
+    import llama_cpp
+
+    libdir = Path(llama_cpp.__file__).parent / "lib"
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + str(libdir).encode()).hexdigest()[:12]
+    out = cache_dir / "native" / f"act_monitor-{key}.so"
+    if out.is_file():
+        return out
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise EngineError("no C compiler found: the int4 activation monitor is unavailable")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp.so")
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), f"-L{libdir}", "-lggml-base",
+           f"-Wl,-rpath,{libdir}", "-lm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise EngineError(f"building the activation monitor failed: {proc.stderr.strip()[:500]}")
+    tmp.rename(out)
+    return out
+
+
+class ActivationMonitor:
+    """Holds the C state; `peaks` is a numpy view of the per-layer maxima."""
+
+    def __init__(self, n_layer: int, cache_dir: Path):
+        import llama_cpp
+
+        self._lib = ctypes.CDLL(str(_build(cache_dir)))
+        self.peaks = np.zeros(n_layer, dtype=np.float32)
+        self.state = _State(0, n_layer, 0, self.peaks.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+        fn = self._lib.qladder_act_monitor
+        self.callback = ctypes.cast(fn, llama_cpp.ggml_backend_sched_eval_callback)
+        self.user_data = ctypes.cast(ctypes.pointer(self.state), ctypes.c_void_p)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.state.enabled)
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self.state.enabled = int(on)
+
+    def reset(self) -> None:
+        self.peaks[:] = 0.0
+        self.state.observed = 0

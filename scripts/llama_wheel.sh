@@ -13,7 +13,7 @@ if ! ls "$cache"/llama_cpp_python-"$ver"-*.whl >/dev/null 2>&1; then
   # GGML_NATIVE=OFF: a -march=native wheel breaks on other CPUs sharing this cache.
   CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF" \
     CMAKE_BUILD_PARALLEL_LEVEL=2 \
-    "$py" -m pip wheel --no-deps --no-binary llama-cpp-python -w "$tmp" "llama-cpp-python==$ver" >&2
+    "$py" -m pip wheel --no-cache-dir --no-deps --no-binary llama-cpp-python -w "$tmp" "llama-cpp-python==$ver" >&2
   mv "$tmp"/llama_cpp_python-*.whl "$cache"/
   rm -rf "$tmp"
 fi

@@ -11,6 +11,8 @@ from __future__ import annotations
 import gc
 import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -77,6 +79,23 @@ def _load(rung: str, info: ModelInfo, settings: Settings) -> tuple[Engine, float
     return e, time.perf_counter() - t
 
 
+FRESH_START = """
+import time
+t = time.perf_counter()
+from qladder.engines import load_engine
+for rung in {rungs!r}:
+    load_engine(rung)
+print(time.perf_counter() - t)
+"""
+
+
+def fresh_process_warm_start(rungs: list[str]) -> float:
+    """Wall time for a new process to import qladder and load every rung from the warm caches."""
+    proc = subprocess.run([sys.executable, "-c", FRESH_START.format(rungs=rungs)], capture_output=True,
+                          text=True, timeout=600, check=True)
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
 def run_engine_bench(rungs: list[str], decode_tokens: int = 64, rounds: int = 3,
                      prefill_lengths: tuple[int, ...] = (128, 512)) -> dict[str, Any]:
     settings = Settings.from_env()
@@ -125,6 +144,7 @@ def run_engine_bench(rungs: list[str], decode_tokens: int = 64, rounds: int = 3,
     if "int4" in decode and "fp32" in decode:
         out["int4_over_fp32_decode"] = out["rungs"]["int4"]["decode_tok_s"] / out["rungs"]["fp32"]["decode_tok_s"]
     out["warm_start_all_s"] = sum(out["rungs"][r]["warm_load_s"] for r in rungs)
+    out["warm_start_fresh_process_s"] = fresh_process_warm_start(rungs)  # imports included
     out["env"] = environment(settings.n_threads)
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out["method"] = {"decode_tokens": decode_tokens, "rounds": rounds, "warmup_tokens": 8,

@@ -6,7 +6,7 @@ This is what the CLI (and later the HTTP server) calls. Engines are loaded once 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from qladder.config import Settings
@@ -30,7 +30,7 @@ class Answer:
 
     def to_dict(self) -> dict[str, object]:
         d = self.result.to_dict()
-        d["input_changes"] = [c.__dict__ | {} for s in self.sanitized for c in s.changes]
+        d["input_changes"] = [asdict(c) for s in self.sanitized for c in s.changes]
         return d
 
 

@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile scripts/llama_wheel.sh
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/qladder generate --ladder int4,fp32 --max-tokens 48 "What is the capital of France? Answer in one sentence."
+	$(BIN)/qladder validate --quick --out out/validate
 
 test: $(STAMP)
 	$(BIN)/python -m ruff check src tests bench

@@ -151,5 +151,59 @@ def bench_guard(
     typer.echo(json.dumps(out, indent=2 if not as_json else None))
 
 
+@app.command()
+def validate(
+    quick: Annotated[bool, typer.Option("--quick", help="A small subset that finishes in minutes.")] = False,
+    out: Annotated[Path, typer.Option(help="Folder for results.json, report.md, report.html, PNGs.")] = Path(
+        "qladder-validate"),
+    faults: Annotated[list[str] | None, typer.Option(
+        "--faults", help="Fault model names (nan_logits, inf_logits, zero_logits, kernel_error, stall, "
+                         "massive_activation) or raw fault specs like nan@step=2 (repeatable).")] = None,
+    max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Override the answer length.")] = None,
+    corpus: Annotated[Path | None, typer.Option(help="Folder with normal.jsonl and abnormal.jsonl.")] = None,
+    standby_share: Annotated[float, typer.Option("--standby-share", help="Standby share of capacity.")] = 0.2,
+    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+) -> None:
+    """Replay the corpora through bare INT4 and the guarded ladder, and measure the three boundaries."""
+    from qladder.validate.fault_models import by_name
+    from qladder.validate.runner import ValidateConfig
+    from qladder.validate.runner import validate as run_validate
+
+    _quiet_libraries()
+    try:
+        by_name(faults or [])  # a malformed spec fails before any model loads
+        overrides: dict[str, object] = {"fault_names": tuple(faults or ()), "corpus_dir": corpus,
+                                        "standby_share": standby_share}
+        if max_tokens is not None:
+            overrides["max_tokens"] = max_tokens
+        cfg = ValidateConfig.quick_preset(**overrides) if quick else ValidateConfig(**overrides)  # type: ignore[arg-type]
+        results = run_validate(cfg, out, show_progress=progress, log=lambda s: typer.echo(s, err=True))
+    except QladderError as exc:
+        _fail(str(exc))
+        return
+    b, g = results["bare"], results["guarded"]
+    typer.echo(f"bare:    garbage {b['garbage_rate']:.1%}  5xx {b['error_rate']:.1%}")
+    typer.echo(f"guarded: garbage {g['garbage_rate']:.1%}  5xx {g['error_rate']:.1%}  "
+               f"false handoffs {g['false_handoff_rate']:.1%}")
+    typer.echo(f"report:  {out / 'report.html'}")
+
+
+@bench_app.command("calibrate")
+def bench_calibrate(
+    limit: Annotated[int | None, typer.Option(help="Use only the first N normal prompts.")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = 48,
+) -> None:
+    """Guard statistics on clean traffic against the preset thresholds; the false-handoff rate."""
+    from qladder.benchmarks.calibrate import run_calibration
+
+    _quiet_libraries()
+    try:
+        out = run_calibration(limit=limit, max_tokens=max_tokens)
+    except QladderError as exc:
+        _fail(str(exc))
+        return
+    typer.echo(json.dumps(out))
+
+
 def main() -> None:  # pragma: no cover
     app()

@@ -1,0 +1,118 @@
+"""Fault models as data: what each one injects, the real phenomenon it emulates, and its trigger.
+
+Every model is a list of `qladder.faults` spec strings, so the replay, the CLI (`--fault`) and the
+incident records share one vocabulary. Faults hit the primary rung only (`int4`): in the guarded
+configuration that is rung 0 of the ladder, in the bare configuration the only engine there is.
+Triggers: in the replay a fault model is attached to abnormal prompts (the original incident's
+failures came on very long math, code and abnormal Unicode), assigned round-robin so that every
+model meets several prompt classes.
+
+Not implemented (optional in the issue): glitch-token embedding scaling and a corrupted-scale
+copy of the GGUF; `FAULT_MODELS` is where they would be added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from qladder.faults import MASSIVE_ACTIVATION, Fault, parse_fault
+
+
+@dataclass(frozen=True)
+class FaultModel:
+    name: str
+    specs: tuple[str, ...]
+    phenomenon: str
+    mechanism: str
+    trigger: str = "attached to abnormal prompts, round-robin over the classes"
+    quick: bool = True  # part of `--quick`
+
+    @property
+    def faults(self) -> list[Fault]:
+        return [parse_fault(s) for s in self.specs]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "specs": list(self.specs), "phenomenon": self.phenomenon,
+                "mechanism": self.mechanism, "trigger": self.trigger}
+
+
+FAULT_MODELS: tuple[FaultModel, ...] = (
+    FaultModel(
+        "nan_logits", ("nan@step=4",),
+        "An FP16 overflow in one layer's GEMM reached the softmax: the logits row is all NaN and "
+        "greedy decoding emits garbage (the incident's `NaN NaN NaN`).",
+        "FaultySession replaces the int4 row with NaN from generated token 4 on."),
+    FaultModel(
+        "inf_logits", ("inf@step=4",),
+        "An overflowed GEMM output: +Inf in the logits row (softmax of it is NaN).",
+        "FaultySession sets the row's largest logit to +Inf from token 4 on. Greedy argmax still "
+        "picks the same token, so bare greedy decoding is unharmed; a sampler would not be."),
+    FaultModel(
+        "zero_logits", ("zero@step=4",),
+        "llama.cpp's RMSNorm overflowing in FP32: the logits are exactly zero and finite, greedy "
+        "picks token 0; a NaN check alone misses it.",
+        "FaultySession replaces the row with zeros from token 4 on."),
+    FaultModel(
+        "kernel_error", ("error@step=4",),
+        "A kernel error or device fault: the decode step raises (a 5xx in a naive server).",
+        "FaultySession raises EngineError at token 4."),
+    FaultModel(
+        "stall", ("stall@step=2,s=2.5",),
+        "A hung kernel or a preempted device: one step takes 2.5 s, past the guard's 2 s step "
+        "deadline.",
+        "FaultySession sleeps 2.5 s before returning the row of token 2."),
+    FaultModel(
+        "massive_activation", ("gain@layer=11,channel=507,x=2",),
+        f"Amplified massive activation: SmolLM2 carries ~{MASSIVE_ACTIVATION:,.0f} on layer 11, "
+        "channel 507 in FP32 (up to ~30,700 on some prompts); abnormal prompts push it up, and "
+        "past 65,504 FP16 overflows.",
+        "On int4, a llama.cpp control vector ADDS (x - 1) x 24,900 to channel 507 at the output of "
+        "layer 11 at every position (real kernels, but an additive, all-position perturbation, much "
+        "harsher than the multiplicative first-token outlier); llama.cpp computes in fp32, so the "
+        "rows stay finite and only the activation monitor (fp16 limit) can see it. On torch rungs "
+        "a forward hook multiplies the channel by x."),
+)
+
+
+def by_name(names: Sequence[str] | None = None, quick: bool = False) -> list[FaultModel]:
+    """The named models (all of them, or the quick set), in catalogue order."""
+    models = [m for m in FAULT_MODELS if not quick or m.quick]
+    if not names:
+        return models
+    known = {m.name: m for m in FAULT_MODELS}
+    out = []
+    for n in names:
+        if n in known:
+            out.append(known[n])
+        else:  # a raw spec string: a custom model
+            parse_fault(n)  # raises ConfigError with the expected shape
+            out.append(FaultModel(f"custom:{n}", (n,), "user-supplied fault spec", "see qladder.faults",
+                                  trigger="attached to abnormal prompts, round-robin"))
+    return out
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One (prompt, fault model) pair of the replay."""
+
+    prompt_index: int
+    model: FaultModel
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def assign(n_prompts: int, models: Sequence[FaultModel], per_model: int,
+           skip: Sequence[int] = ()) -> list[Assignment]:
+    """Give each model `per_model` prompts, round-robin over the prompt list from a shifting start,
+    so consecutive models meet different classes. Indices in `skip` (e.g. over-long prompts, whose
+    full-precision prefill would dominate the run) are not used."""
+    pool = [i for i in range(n_prompts) if i not in set(skip)]
+    if not pool:
+        return []
+    out = []
+    cursor = 0
+    for m in models:
+        for _ in range(min(per_model, len(pool))):
+            out.append(Assignment(pool[cursor % len(pool)], m))
+            cursor += 1
+    return out

@@ -1,0 +1,207 @@
+"""The two configurations the validation compares, and one request through each.
+
+bare:     the int4 engine served naively, as a plain llama.cpp server would: no sanitizer (raw
+          bytes are decoded with U+FFFD replacement), the chat template, greedy decoding of every
+          row as it comes (argmax of an all-NaN row returns index 0), no guard, no deadline. An
+          engine exception ends the request as a 5xx; a prompt longer than the context is refused
+          (a 4xx); text the tokenizer cannot encode (a lone surrogate) raises, a 5xx. The engine's
+          activation monitor is switched off for bare requests.
+          This is a tiny loop of its own (`greedy`), not the Ladder with its guard off: the Ladder
+          catches engine errors and answers with a fallback, which is already a defence.
+guarded:  sanitizer "default" + step guard "default" + ladder int4 -> fp32 (`qladder.service`).
+          Any exception escaping it is counted as a 5xx, with its type.
+
+Both configurations share the loaded engines; faults are applied identically (FaultySession for
+step faults, `engine_faults` for activation gains), through `qladder.faults`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from qladder.engines.base import Engine
+from qladder.errors import EngineError, InputError
+from qladder.faults import Fault, FaultySession, engine_faults
+from qladder.model import ModelInfo, encode_segments, render_chat
+from qladder.sampling import SamplingParams
+from qladder.service import Qladder
+from qladder.types import FALLBACK_TEXT
+from qladder.validate.corpora import Prompt
+from qladder.validate.garbage import judge
+
+
+@dataclass
+class Outcome:
+    """One request through one configuration."""
+
+    config: str  # bare | guarded
+    prompt_id: str
+    cls: str
+    population: str  # normal | abnormal
+    fault: str  # fault model name, or "none"
+    status: str  # ok | error (5xx) | rejected (4xx)
+    error_kind: str | None = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    token_rungs: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    hazards: list[str] = field(default_factory=list)
+    handoff_ms: list[float] = field(default_factory=list)
+    fallback: bool = False
+    prompt_tokens: int = 0
+    wall_ms: float = 0.0
+    prefill_ms: float = 0.0
+    garbage: list[str] = field(default_factory=list)
+    round: int = 0
+
+    @property
+    def per_token_ms(self) -> float | None:
+        """Decode time per generated token: the request's wall time less its prefill."""
+        return (self.wall_ms - self.prefill_ms) / len(self.token_ids) if self.token_ids else None
+
+    @property
+    def is_garbage(self) -> bool:
+        return self.status == "ok" and bool(self.garbage)
+
+    def judge(self, truncated: bool) -> None:
+        if self.status != "ok" or (self.fallback and self.text == FALLBACK_TEXT):
+            self.garbage = []
+            return
+        self.garbage = list(judge(self.text, self.token_ids, truncated).reasons)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["text"] = self.text[:400]
+        return d
+
+
+def chat_ids(info: ModelInfo, engine: Engine, text: str) -> list[int]:
+    return encode_segments(render_chat(info.chat_template, [{"role": "user", "content": text}]),
+                           engine.tokenize)
+
+
+def greedy(engine: Engine, ids: Sequence[int], max_tokens: int, faults: Sequence[Fault] = (),
+           timings: dict[str, float] | None = None) -> list[int]:
+    """Naive greedy decoding of every row as it comes. Raises EngineError from the engine.
+    `timings`, when given, receives prefill_ms and decode_ms."""
+    step_faults = [f for f in faults if f.kind != "gain"]
+    out: list[int] = []
+    with engine_faults(engine, [f for f in faults if f.kind == "gain"]):
+        t0 = time.perf_counter()
+        s = engine.open(list(ids))
+        t1 = time.perf_counter()
+        if step_faults:
+            s = FaultySession(s, step_faults, len(ids))
+        try:
+            while len(out) < max_tokens and len(ids) + len(out) < engine.n_ctx:
+                tok = int(s.logits().argmax())
+                if tok in engine.eos_ids:
+                    break
+                out.append(tok)
+                s.push(tok)
+        finally:
+            s.close()
+        if timings is not None:
+            timings["prefill_ms"] = (t1 - t0) * 1e3
+            timings["decode_ms"] = (time.perf_counter() - t1) * 1e3
+    return out
+
+
+class Bare:
+    """The int4 engine served naively (see the module docstring)."""
+
+    name = "bare"
+
+    def __init__(self, engine: Engine, info: ModelInfo):
+        self.engine = engine
+        self.info = info
+
+    def encode(self, prompt: str | bytes) -> list[int]:
+        text = prompt.decode("utf-8", "replace") if isinstance(prompt, bytes) else prompt
+        return chat_ids(self.info, self.engine, text)
+
+    def run(self, p: Prompt, population: str, fault_name: str, faults: Sequence[Fault],
+            params: SamplingParams) -> Outcome:
+        monitor = getattr(self.engine, "monitor_activations", None)
+        if monitor is not None:  # a naive server runs no monitor (a ladder may have left it on)
+            monitor(False)
+        o = Outcome("bare", p.id, p.cls, population, fault_name, "ok")
+        t0 = time.perf_counter()
+        try:
+            ids = self.encode(p.prompt)
+            o.prompt_tokens = len(ids)
+            if len(ids) >= self.engine.n_ctx:
+                o.status, o.error_kind = "rejected", "context_overflow"
+            else:
+                timings: dict[str, float] = {}
+                o.token_ids = greedy(self.engine, ids, params.max_tokens, faults, timings)
+                o.prefill_ms = timings.get("prefill_ms", 0.0)
+                o.token_rungs = [self.engine.name] * len(o.token_ids)
+                o.text = self.engine.detokenize(o.token_ids)
+                o.finish_reason = "length" if len(o.token_ids) >= params.max_tokens else "stop"
+        except EngineError as exc:
+            o.status, o.error_kind = "error", f"engine_error: {exc}"[:160]
+        except InputError as exc:  # a naive server does not catch the tokenizer's complaint
+            o.status, o.error_kind = "error", f"unencodable_text: {exc}"[:160]
+        except Exception as exc:  # anything else escaping a naive server is a 500 too
+            o.status, o.error_kind = "error", f"{type(exc).__name__}: {exc}"[:160]
+        o.wall_ms = (time.perf_counter() - t0) * 1e3
+        o.judge(o.finish_reason == "length")
+        return o
+
+
+class Guarded:
+    """Sanitizer + step guard + ladder, through the service layer."""
+
+    name = "guarded"
+
+    def __init__(self, q: Qladder):
+        self.q = q
+
+    def prompt_ids(self, p: Prompt, max_tokens: int) -> list[int]:
+        """The ids the ladder sees for this prompt (for the fp32 reference)."""
+        from qladder.sanitize import sanitize_bytes
+
+        text = p.prompt
+        if isinstance(text, bytes):
+            text = sanitize_bytes(text, self.q.sanitize_config).text
+        ids, _ = self.q.encode_messages([{"role": "user", "content": text}], max_tokens)
+        return ids
+
+    def run(self, p: Prompt, population: str, fault_name: str, faults: Sequence[Fault],
+            params: SamplingParams) -> Outcome:
+        o = Outcome("guarded", p.id, p.cls, population, fault_name, "ok")
+        t0 = time.perf_counter()
+        try:
+            r = self.q.answer(p.prompt, params, list(faults), request_id=f"{p.id}:{fault_name}").result
+            o.text, o.token_ids, o.token_rungs = r.text, r.token_ids, r.token_rungs
+            o.finish_reason, o.fallback, o.prompt_tokens = str(r.finish_reason), r.fallback, r.prompt_tokens
+            o.hazards = [h.check for h in r.hazards]
+            o.prefill_ms = r.timings.get("prefill_ms", 0.0)
+            o.handoff_ms = [h.latency_ms for h in r.handoffs]
+        except InputError as exc:
+            o.status, o.error_kind = "rejected", f"input: {exc}"[:160]
+        except Exception as exc:  # a defended server must not 500: count it, with its type
+            o.status, o.error_kind = "error", f"{type(exc).__name__}: {exc}"[:160]
+        o.wall_ms = (time.perf_counter() - t0) * 1e3
+        o.judge(o.finish_reason == "length")
+        return o
+
+
+def agreement(tokens: Sequence[int], reference: Sequence[int]) -> tuple[float, float]:
+    """(prefix agreement, position agreement) of greedy tokens against a reference.
+    prefix: the common prefix over the reference's length; position: equal positions over the
+    longer length. Both 1.0 for two empty answers."""
+    n = max(len(tokens), len(reference))
+    if n == 0:
+        return 1.0, 1.0
+    prefix = 0
+    for a, b in zip(tokens, reference, strict=False):
+        if a != b:
+            break
+        prefix += 1
+    same = sum(1 for a, b in zip(tokens, reference, strict=False) if a == b)
+    return prefix / max(len(reference), 1), same / n

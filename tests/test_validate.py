@@ -1,0 +1,279 @@
+"""`qladder validate`: corpora, fault models, the garbage judge, the queueing model, statistics (pure,
+exact), and bare vs guarded on the real model with a tiny subset."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from qladder.engines.scripted import ScriptedEngine
+from qladder.errors import ConfigError
+from qladder.faults import parse_fault
+from qladder.validate import corpora, queueing
+from qladder.validate.fault_models import FAULT_MODELS, assign, by_name
+from qladder.validate.garbage import judge
+from qladder.validate.replay import Outcome, agreement, greedy
+from qladder.validate.stats import paired_ratio, percentile, rates
+
+from .conftest import get_engine
+
+# -- corpora ------------------------------------------------------------------------------------------
+
+
+def test_corpora_sizes_classes_and_determinism():
+    normal, abnormal = corpora.normal_prompts(), corpora.abnormal_prompts()
+    assert len(normal) >= 200 and len(abnormal) >= 100
+    assert {p.cls for p in normal} == set(corpora.NORMAL_CLASSES)
+    assert {p.cls for p in abnormal} == set(corpora.ABNORMAL_CLASSES)
+    assert len({p.id for p in normal + abnormal}) == len(normal) + len(abnormal)
+    assert corpora.normal_prompts() == normal and corpora.abnormal_prompts() == abnormal
+    raw = [p.prompt for p in abnormal if p.cls == "control_bytes"]
+    assert all(isinstance(b, bytes) for b in raw) and any(b"\x00\xff\xfe" in b for b in raw)
+
+
+def test_committed_corpora_match_the_generator(tmp_path):
+    normal, abnormal = corpora.write_corpora(tmp_path)
+    for path in (normal, abnormal):
+        committed = corpora.DEFAULT_DIR / path.name
+        assert committed.read_bytes() == path.read_bytes(), "regenerate: python -m qladder.validate.corpora"
+
+
+def test_jsonl_round_trip_keeps_bytes_and_surrogates(tmp_path):
+    items = [corpora.Prompt("b", "control_bytes", b"\x00\xff\xfeHi"),
+             corpora.Prompt("s", "unicode_zero_width_bidi_homoglyph", "a\ud800b\u202e")]
+    corpora.write_jsonl(tmp_path / "x.jsonl", items)
+    (tmp_path / "x.jsonl").read_text(encoding="utf-8")  # valid UTF-8 on disk
+    assert corpora.read_jsonl(tmp_path / "x.jsonl") == items
+    line = json.loads((tmp_path / "x.jsonl").read_text().splitlines()[0])
+    assert set(line) == {"id", "class", "prompt", "bytes_b64"}
+
+
+def test_subset_takes_the_first_items_of_each_class():
+    ps = corpora.abnormal_prompts()
+    sub = corpora.subset(ps, {"long_math": 2, "over_long": 1})
+    assert [p.id for p in sub] == ["a-long_math-000", "a-over_long-000", "a-long_math-001"]
+
+
+# -- fault models -------------------------------------------------------------------------------------
+
+
+def test_fault_models_parse_and_document_themselves():
+    for m in FAULT_MODELS:
+        assert m.faults and m.phenomenon and m.mechanism
+    assert [m.name for m in by_name(["nan_logits", "error@step=1"])] == ["nan_logits", "custom:error@step=1"]
+    with pytest.raises(ConfigError):
+        by_name(["boom@step=1"])
+
+
+def test_assign_round_robin_skips_indices():
+    models = by_name(["nan_logits", "zero_logits"])
+    pairs = assign(4, models, 3, skip=[1])
+    assert [(a.prompt_index, a.model.name) for a in pairs] == [
+        (0, "nan_logits"), (2, "nan_logits"), (3, "nan_logits"),
+        (0, "zero_logits"), (2, "zero_logits"), (3, "zero_logits")]
+    assert assign(2, models, 1, skip=[0, 1]) == []
+
+
+# -- garbage judge --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "ids", "truncated", "reasons"), [
+    ("The capital of France is Paris.", [5, 6, 7, 8], False, ()),
+    ("NaN NaN NaN", [9, 9, 9], False, ("nan_text",)),
+    ("x = NaN, a float", [1, 2], False, ()),
+    ("ok \ufffd ok", [1, 2, 3], False, ("replacement_char",)),
+    ("emoji cut \ufffd", [1, 2, 3], True, ()),
+    ("emoji cut \ufffd", [1, 2, 3], False, ("replacement_char",)),
+    ("\u25a0\u25a0\u25a0 \u2588\u2588", [1, 2], False, ("black_squares",)),
+    ("", [], False, ("empty",)),
+    ("  \n", [3, 4], False, ("empty",)),
+    ("hi", [4, 0, 0, 0, 5], False, ("token0_flood",)),
+])
+def test_judge_symptoms(text, ids, truncated, reasons):
+    assert judge(text, ids, truncated).reasons == reasons
+
+
+def test_judge_loops_by_token_ids():
+    assert judge(",,,,,,,,,,,,", [11] * 12).reasons == ("loop",)
+    assert judge("ab" * 6, [1, 2] * 6).loop_period == 2
+    assert judge("short", [1, 2] * 5).reasons == ()  # 10 tokens: under the 12-token span
+    assert judge("text", [1, 2, 3, 4, 5, 6, 7] * 3).reasons == ()  # 3 repeats of 7: not a loop
+
+
+def _scripted(nan_from: int | None = None, loop: bool = False) -> ScriptedEngine:
+    def fn(ids):
+        step = len(ids) - 3
+        if nan_from is not None and step >= nan_from:
+            return [float("nan")] * 8
+        row = [0.0] * 8
+        row[1 if loop else 1 + step % 6] = 8.0
+        return row
+
+    return ScriptedEngine(fn, n_vocab=8, eos_id=7)
+
+
+def test_judge_on_scripted_engine_output():
+    """Naive greedy on a scripted engine: argmax of an all-NaN row is index 0, a token-0 flood."""
+    clean = greedy(_scripted(), [1, 2, 3], 12)
+    assert judge("abcdefg", clean).reasons == ()
+    nan = greedy(_scripted(nan_from=3), [1, 2, 3], 12)
+    assert nan[3:] == [0] * 9
+    assert "token0_flood" in judge("x", nan).reasons
+    looped = greedy(_scripted(loop=True), [1, 2, 3], 16)
+    assert judge("bbbb", looped).reasons == ("loop",)
+    faulted = greedy(_scripted(), [1, 2, 3], 6, [parse_fault("zero@step=2")])
+    assert faulted[2:] == [0, 0, 0, 0]
+
+
+def test_outcome_judgement_skips_errors_and_fallbacks():
+    o = Outcome("bare", "p", "c", "abnormal", "nan", "error", text="")
+    o.judge(False)
+    assert o.garbage == [] and not o.is_garbage
+
+
+# -- queueing model -----------------------------------------------------------------------------------
+
+
+def test_erlang_c_exact_values():
+    assert queueing.erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: P(wait) = rho
+    assert queueing.erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert queueing.erlang_c(3, 3.0) == 1.0 and queueing.erlang_c(3, 0.0) == 0.0
+    assert queueing.mmc_wait(1, 0.5, 1.0) == pytest.approx(1.0)  # rho / (mu - lam)
+    assert queueing.mmc_wait(2, 1.0, 1.0) == pytest.approx(1 / 3)
+    assert math.isinf(queueing.mmc_wait(2, 2.0, 1.0))
+
+
+def test_standby_model_saturation():
+    m = queueing.StandbyModel(s_primary=0.1, s_standby=0.5, servers=10, standby_share=0.2, primary_util=0.7)
+    assert (m.c_standby, m.c_primary) == (2, 8)
+    assert m.arrival_rate == pytest.approx(56.0)
+    assert m.saturation_share == pytest.approx(1 / 14)
+    assert m.saturation_rate == pytest.approx(4.0)
+    assert m.point(m.saturation_share / 2)["utilization"] == pytest.approx(0.5)
+    share = m.share_at_wait(0.5)
+    assert 0 < share < m.saturation_share
+    wq = queueing.mmc_wait(2, share * m.arrival_rate, 0.5)
+    assert wq == pytest.approx(0.5, rel=1e-6)
+
+
+def test_simulation_matches_m_d_1():
+    # M/D/1: Wq = rho * s / (2 (1 - rho)) = 0.5 at rho 0.5, s 1.
+    assert queueing.simulate(1, 0.5, [1.0], n=100_000, seed=1) == pytest.approx(0.5, rel=0.05)
+
+
+# -- statistics ---------------------------------------------------------------------------------------
+
+
+def test_percentile_and_rates():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([10.0], 99) == 10.0 and percentile([], 50) is None
+    outs = [Outcome("bare", "a", "c", "abnormal", "none", "ok", text="fine", token_ids=[1, 2]),
+            Outcome("bare", "b", "c", "abnormal", "nan", "ok", text="", garbage=["empty"]),
+            Outcome("bare", "c", "c", "abnormal", "error", "error", error_kind="engine_error: x")]
+    r = rates(outs)
+    assert (r["garbage_rate"], r["error_rate"], r["reject_rate"]) == (1 / 3, 1 / 3, 0.0)
+    assert r["error_kinds"] == {"engine_error": 1}
+
+
+def test_paired_ratio_and_agreement():
+    bare = [Outcome("bare", p, "qa", "normal", "none", "ok", token_ids=[1], wall_ms=w) for p, w in
+            (("a", 100.0), ("b", 200.0))]
+    guarded = [Outcome("guarded", p, "qa", "normal", "none", "ok", token_ids=[1], wall_ms=w) for p, w in
+               (("a", 110.0), ("b", 220.0))]
+    assert paired_ratio(bare, guarded)["paired_median"] == pytest.approx(1.1)
+    assert agreement([1, 2, 3], [1, 2, 4, 5]) == (0.5, 0.5)
+    assert agreement([], []) == (1.0, 1.0)
+
+
+# -- the real model: bare vs guarded on the same prompts ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def configs():
+    from qladder.ladder import LadderConfig
+    from qladder.model import inspect_model
+    from qladder.sanitize import PRESETS
+    from qladder.service import Qladder
+    from qladder.validate.replay import Bare, Guarded
+
+    info = inspect_model()
+    int4, fp32 = get_engine("int4"), get_engine("fp32")
+    q = Qladder(engines=[int4, fp32], model=info, ladder_config=LadderConfig(), sanitize_config=PRESETS["default"])
+    return Bare(int4, info), Guarded(q)
+
+
+@pytest.mark.slow
+def test_guarded_clean_and_bare_broken_under_faults(configs):
+    from qladder.sampling import SamplingParams
+
+    bare, guarded = configs
+    params = SamplingParams(max_tokens=8)
+    prompts = [*corpora.subset(corpora.normal_prompts(), {"qa": 1, "math": 1}),
+               corpora.Prompt("bytes", "control_bytes", b"\x00\xff\xfeWhat is 2 + 2?")]
+    for fault, spec in (("nan", "nan@step=2"), ("error", "error@step=2")):
+        faults = [parse_fault(spec)]
+        b = [bare.run(p, "abnormal", fault, faults, params) for p in prompts]
+        g = [guarded.run(p, "abnormal", fault, faults, params) for p in prompts]
+        assert all(o.status == "ok" and not o.garbage for o in g), [(o.status, o.garbage) for o in g]
+        assert all(o.handoff_ms and "fp32" in o.token_rungs for o in g)
+        if fault == "nan":
+            assert all(o.status == "ok" and "token0_flood" in o.garbage for o in b)
+        else:
+            assert all(o.status == "error" and o.error_kind.startswith("engine_error") for o in b)
+    clean = [guarded.run(p, "normal", "none", [], params) for p in prompts[:2]]
+    assert all(not o.handoff_ms and set(o.token_rungs) == {"int4"} for o in clean)
+
+
+@pytest.mark.slow
+def test_bare_refuses_over_long(configs):
+    from qladder.sampling import SamplingParams
+
+    bare, _ = configs
+    long = corpora.Prompt("long", "over_long", "word " * 3000)
+    assert bare.run(long, "abnormal", "none", [], SamplingParams(max_tokens=2)).status == "rejected"
+
+
+def test_precision_trace_on_scripted_engine():
+    from qladder.health.guard import GUARD_PRESETS, StepGuard
+    from qladder.validate.boundaries import trace
+
+    t = trace(_scripted(nan_from=2), [1, 2, 3], 5, [], StepGuard(GUARD_PRESETS["default"]))
+    assert (t.first_nonfinite, t.detected, t.detected_check) == (2, 2, "nonfinite")
+    assert t.tokens[2:] == [0, 0, 0]
+
+
+# -- the whole run, in miniature ------------------------------------------------------------------------
+
+
+def test_cli_rejects_a_malformed_fault_before_loading(tmp_path):
+    from typer.testing import CliRunner
+
+    from qladder.cli import app
+
+    res = CliRunner().invoke(app, ["validate", "--quick", "--out", str(tmp_path), "--faults", "boom@x=1"])
+    assert res.exit_code == 2 and "unknown fault" in res.output
+    assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_validate_end_to_end_writes_results_and_report(tmp_path):
+    from qladder.validate.runner import ValidateConfig, validate
+
+    cfg = ValidateConfig(quick=True, max_tokens=6, normal_per_class=1,
+                         abnormal_per_class={"control_bytes": 1, "long_math": 1}, fault_names=("nan@step=1",),
+                         prompts_per_fault=2, rounds=1, warmup=1, reference_prompts=2, sweep_xs=(1.0, 3.0),
+                         sweep_prompts=1, sweep_tokens=2, level_prompts=1, level_rounds=1, level_tokens=3,
+                         monitor_rounds=1, monitor_tokens=2, n_ctx=512)
+    r = validate(cfg, tmp_path, show_progress=False)
+    for name in ("results.json", "report.md", "report.html", "outcomes.jsonl", "incidents.sqlite3"):
+        assert (tmp_path / name).is_file(), name
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["guarded"]["garbage_rate"] == 0.0 and on_disk["guarded"]["error_rate"] == 0.0
+    assert r["bare"]["by_fault"]["custom:nan@step=1"]["garbage_rate"] == 1.0
+    assert r["guarded"]["handoff"]["count"] >= 2
+    assert r["precision_boundary"]["boundary"]["w4a16"]["first_nonfinite_x"] == 3.0
+    assert set(r["environment"]["versions"]) >= {"torch", "transformers", "llama_cpp_python", "gguf"}
+    html = (tmp_path / "report.html").read_text()
+    assert "<table>" in html and html.count("data:image/png;base64") == 5

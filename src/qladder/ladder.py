@@ -113,6 +113,7 @@ class _Run:
         self.t0 = ladder.clock()
         self.timings: dict[str, float] = {}
         self.step_ms: list[float] = []
+        self.monitored = ladder.config.guard.check_activations  # the last forward ran monitored
         self.last_accept: float | None = None
 
     # -- sessions --------------------------------------------------------------------------
@@ -212,7 +213,7 @@ class _Run:
             return row, Hazard("deadline", name, step, took, self.L.config.guard.step_deadline_s,
                                detail=f"step took {took * 1e3:.0f} ms")
         engine = self.L.engines[self.rung]
-        peaks = getattr(engine, "activation_peaks", None)
+        peaks = getattr(engine, "activation_peaks", None) if self.monitored else None
         limit = getattr(engine, "activation_limit", None)
         return row, self.L.guard.check(row, self.accepted, name, peaks, limit)
 
@@ -230,6 +231,8 @@ class _Run:
         if isinstance(action, HandoffAction):
             self.move(action.to, keep=True, poisoned=False, started=self.L.clock())
             return
+        # Activation monitors sample decode steps (prefill and catch-up are always monitored).
+        self.set_monitor(self.rung, len(self.accepted) % self.L.config.guard.activation_every == 0)
         t = self.L.clock()
         try:
             self.sessions[self.rung].push(token)
@@ -268,9 +271,18 @@ class _Run:
         except EngineError:
             return None
 
+    def set_monitor(self, j: int, on: bool) -> None:
+        on = on and self.L.config.guard.check_activations
+        if on != self.monitored or j != self.rung:
+            monitor = getattr(self.L.engines[j], "monitor_activations", None)
+            if monitor is not None:
+                monitor(on)
+        self.monitored = on
+
     def move(self, j: int, keep: bool, poisoned: bool, started: float) -> None:
         from_name = self.L.engines[self.rung].name
         self.drop(self.rung, keep, poisoned)
+        self.set_monitor(j, True)
         self.rung, self.streak = j, 0
         engine = self.L.engines[j]
         warm = j not in self.sessions and self.shadow is not None and self.shadow.engine is engine

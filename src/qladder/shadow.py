@@ -59,8 +59,12 @@ class WarmShadow:
         return session, len(context) - have
 
     def discard(self) -> None:
-        """Drop the shadow (the request ended without a handoff)."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._session is not None:
-            self._session.close()
-            self._session = None
+        """Drop the shadow (the request ended without a handoff). Does not wait: a prefill still
+        running finishes on the worker, which then closes its session."""
+        self._last.add_done_callback(lambda _f: self._close())
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()

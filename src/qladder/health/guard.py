@@ -39,6 +39,10 @@ class GuardConfig:
     flat_gap: float = math.log(64.0)  # top probability bound 64 / V
     max_abs_logit: float = 1.0e4
     activation_fraction: float = 0.6  # of the dtype's max; SmolLM2's natural fp16 peak is 47%
+    # Decode steps between activation checks. Prefill (where a prompt-triggered outlier such as
+    # SmolLM2's first-token massive activation lives) and every handoff catch-up are always checked;
+    # on int4 a monitored step costs graph splits in llama.cpp, so decode steps are sampled.
+    activation_every: int = 8
     repetition_min_period: int = 1
     repetition_max_period: int = 64
     repetition_min_repeats: int = 8
@@ -49,7 +53,8 @@ class GuardConfig:
 GUARD_PRESETS: dict[str, GuardConfig] = {
     "default": GuardConfig(),
     "logits": GuardConfig(check_repetition=False, check_activations=False),
-    "strict": GuardConfig(flat_gap=math.log(256.0), activation_fraction=0.5, repetition_min_repeats=6),
+    "strict": GuardConfig(flat_gap=math.log(256.0), activation_fraction=0.5, repetition_min_repeats=6,
+                          activation_every=1),
     "off": GuardConfig(check_logits=False, check_repetition=False, check_activations=False,
                        step_deadline_s=float("inf")),
 }

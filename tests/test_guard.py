@@ -159,3 +159,15 @@ def test_bad_fault_specs_are_config_errors(spec):
 
     with pytest.raises(ConfigError):
         parse_fault(spec)
+
+
+def test_outlier_away_from_the_first_position_is_caught_with_headroom_left():
+    peaks = torch.tensor([25_000.0] * 30)  # the first position's massive activation: normal
+    rest = torch.tensor([900.0] * 12 + [12_000.0] + [900.0] * 17)
+    h = StepGuard().check(_normal_row(), [], "int4", peaks, 65504.0, rest)
+    assert h is not None and (h.check, h.layer, h.value) == ("outlier", 12, 12_000.0)
+    assert h.threshold == GuardConfig().outlier_limit
+    calm = torch.tensor([1_500.0] * 30)
+    assert StepGuard().check(_normal_row(), [], "int4", peaks, 65504.0, calm) is None
+    # The headroom check comes first; without an outlier bound the rest is not checked.
+    assert StepGuard(GuardConfig(outlier_limit=None)).check(_normal_row(), [], "int4", peaks, 65504.0, rest) is None

@@ -188,19 +188,22 @@ def test_int4_activation_monitor_sees_the_massive_activation():
     s = int4.open(_chat(int4, "Hi"))
     peaks = int4.activation_peaks.clone()
     s.close()
-    # SmolLM2's residual stream carries ~24,900 on channel 507 from layer 11 on (first token).
+    rest = int4.activation_rest_peaks.clone()
+    # SmolLM2's residual stream carries ~24,900 on channel 507 from layer 11 on (first token);
+    # away from the first position it stays small.
     assert 20_000 < float(peaks[11]) < 32_000 and float(peaks[5]) < 2_000
     assert float(peaks.max()) < 0.6 * 65504
+    assert float(rest.max()) < 4_000 and float(rest[11]) < float(peaks[11]) / 5
 
 
-@pytest.mark.parametrize("x", [2.5, 4.0])
-def test_int4_gain_fault_caught_at_prefill_by_the_activation_monitor(x):
+@pytest.mark.parametrize("x,check", [(1.5, "outlier"), (2.5, "activation"), (4.0, "activation")])
+def test_int4_gain_fault_caught_at_prefill_by_the_activation_monitor(x, check):
     int4, fp32 = get_engine("int4"), get_engine("fp32")
     store = IncidentStore()
     r = Ladder([int4, fp32], incidents=store).generate(
         _chat(int4, "What is the capital of France? Answer in one sentence."), SamplingParams(max_tokens=16),
         faults=[parse_fault(f"gain@layer=11,channel=507,x={x}")])
-    assert [(h.check, h.step, h.layer) for h in r.hazards] == [("activation", 0, 11)]
+    assert [(h.check, h.step, h.layer) for h in r.hazards] == [(check, 0, 11)]
     assert set(r.token_rungs) == {"fp32"} and "Paris" in r.text
     assert store.count() == 1
     # Bare, the same fault is silent garbage: finite logits, a wrong answer.

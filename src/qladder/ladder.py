@@ -214,8 +214,9 @@ class _Run:
                                detail=f"step took {took * 1e3:.0f} ms")
         engine = self.L.engines[self.rung]
         peaks = getattr(engine, "activation_peaks", None) if self.monitored else None
+        rest = getattr(engine, "activation_rest_peaks", None) if self.monitored else None
         limit = getattr(engine, "activation_limit", None)
-        return row, self.L.guard.check(row, self.accepted, name, peaks, limit)
+        return row, self.L.guard.check(row, self.accepted, name, peaks, limit, rest)
 
     def accept(self, token: int) -> None:
         now = self.L.clock()
@@ -231,8 +232,10 @@ class _Run:
         if isinstance(action, HandoffAction):
             self.move(action.to, keep=True, poisoned=False, started=self.L.clock())
             return
-        # Activation monitors sample decode steps (prefill and catch-up are always monitored).
-        self.set_monitor(self.rung, len(self.accepted) % self.L.config.guard.activation_every == 0)
+        # Costly monitors (int4's) sample decode steps; prefill and catch-up are always monitored.
+        every = self.L.config.guard.activation_every
+        cheap = getattr(self.L.engines[self.rung], "monitor_is_cheap", True)
+        self.set_monitor(self.rung, cheap or len(self.accepted) % every == 0)
         t = self.L.clock()
         try:
             self.sessions[self.rung].push(token)

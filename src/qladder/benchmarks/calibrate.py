@@ -23,12 +23,13 @@ from qladder.benchmarks.common import environment, percentile
 from qladder.config import Settings
 from qladder.engines import load_engine
 from qladder.health.guard import GUARD_PRESETS, StepGuard
-from qladder.ladder import Ladder, LadderConfig
-from qladder.model import encode_segments, inspect_model, render_chat
+from qladder.ladder import LadderConfig
+from qladder.model import inspect_model
 from qladder.sampling import SamplingParams
+from qladder.service import Qladder
 from qladder.types import FinishReason, Hazard
 
-CORPUS = Path(__file__).resolve().parents[3] / "corpora" / "normal.jsonl"
+CORPORA = Path(__file__).resolve().parents[3] / "corpora"
 
 
 class RecordingGuard(StepGuard):
@@ -39,61 +40,74 @@ class RecordingGuard(StepGuard):
         self.gaps: list[float] = []
         self.abs_max: list[float] = []
         self.act_fraction: list[float] = []
+        self.rest_peak: list[float] = []
 
     def check(self, row: torch.Tensor, generated: Sequence[int], rung: str,
               activation_peaks: torch.Tensor | None = None,
-              activation_limit: float | None = None) -> Hazard | None:
+              activation_limit: float | None = None,
+              rest_peaks: torch.Tensor | None = None) -> Hazard | None:
         hi, lo, total = float(row.amax()), float(row.amin()), float(row.sum())
         if math.isfinite(total):
             self.gaps.append(hi - total / row.numel())
             self.abs_max.append(max(abs(hi), abs(lo)))
         if activation_peaks is not None and activation_limit:
             self.act_fraction.append(float(activation_peaks.max()) / activation_limit)
-        return super().check(row, generated, rung, activation_peaks, activation_limit)
+        if rest_peaks is not None:
+            self.rest_peak.append(float(rest_peaks.max()))
+        return super().check(row, generated, rung, activation_peaks, activation_limit, rest_peaks)
 
 
-def load_prompts(path: Path = CORPUS, limit: int | None = None) -> list[str]:
+def load_prompts(path: Path = CORPORA / "normal.jsonl", limit: int | None = None) -> list[str]:
     with open(path, encoding="utf-8") as f:
         prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
     return prompts[:limit] if limit else prompts
 
 
+def _replay(q: Qladder, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+    climbed, finishes, checks = 0, Counter[str](), Counter[str]()
+    for p in prompts:
+        r = q.answer(p, SamplingParams(max_tokens=max_tokens)).result
+        climbed += bool(r.handoffs)
+        finishes[str(r.finish_reason)] += 1
+        checks.update(h.check for h in r.hazards)
+    return {"prompts": len(prompts), "requests_with_handoff": climbed,
+            "false_handoff_rate": climbed / max(len(prompts), 1), "finish_reasons": dict(finishes),
+            "hazards_by_check": dict(checks), "repetition_stops": finishes[str(FinishReason.REPETITION)]}
+
+
 def run_calibration(limit: int | None = None, max_tokens: int = 48) -> dict[str, Any]:
+    """Normal prompts, then the abnormal ones without faults (sanitized, as served)."""
     settings = Settings.from_env()
     info = inspect_model()
     int4, fp32 = load_engine("int4", info, settings), load_engine("fp32", info, settings)
     preset = GUARD_PRESETS["default"]
-    ladder = Ladder([int4, fp32], LadderConfig(guard=preset))
+    q = Qladder(model=info, settings=settings, ladder_config=LadderConfig(guard=preset), engines=[int4, fp32])
     guard = RecordingGuard(preset)
-    ladder.guard = guard
-    prompts = load_prompts(limit=limit)
-    climbed, finishes, checks = 0, Counter[str](), Counter[str]()
+    q.ladder.guard = guard
     t0 = time.perf_counter()
     try:
-        for p in prompts:
-            ids = encode_segments(render_chat(info.chat_template, [{"role": "user", "content": p}]), int4.tokenize)
-            r = ladder.generate(ids, SamplingParams(max_tokens=max_tokens))
-            climbed += bool(r.handoffs)
-            finishes[str(r.finish_reason)] += 1
-            checks.update(h.check for h in r.hazards)
+        normal = _replay(q, load_prompts(limit=limit), max_tokens)
+        normal_steps = len(guard.gaps)
+        abnormal = _replay(q, load_prompts(CORPORA / "abnormal.jsonl", limit=limit), max_tokens)
     finally:
         int4.close()
         fp32.close()
-    n = len(prompts)
-    min_gap = min(guard.gaps)
-    out: dict[str, Any] = {
-        "benchmark": "calibrate", "prompts": n, "max_tokens": max_tokens, "steps": len(guard.gaps),
-        "wall_s": time.perf_counter() - t0,
-        "false_handoff_rate": climbed / n, "requests_with_handoff": climbed,
-        "finish_reasons": dict(finishes), "hazards_by_check": dict(checks),
-        "repetition_stops": finishes[str(FinishReason.REPETITION)],
+    min_gap, max_abs = min(guard.gaps), max(guard.abs_max)
+    max_frac, max_rest = max(guard.act_fraction, default=math.nan), max(guard.rest_peak, default=math.nan)
+    return {
+        "benchmark": "calibrate", "max_tokens": max_tokens, "wall_s": time.perf_counter() - t0,
+        "normal": normal, "abnormal_unfaulted": abnormal,
+        "false_handoff_rate": normal["false_handoff_rate"],
+        "steps": {"normal": normal_steps, "all": len(guard.gaps), "monitored": len(guard.act_fraction)},
         "flat": {"threshold": preset.flat_gap, "min_gap": min_gap, "p001_gap": percentile(guard.gaps, 0.1),
                  "margin": min_gap / preset.flat_gap},
-        "magnitude": {"threshold": preset.max_abs_logit, "max_abs_logit": max(guard.abs_max),
-                      "margin": preset.max_abs_logit / max(guard.abs_max)},
-        "activation": {"threshold_fraction": preset.activation_fraction,
-                       "max_fraction": max(guard.act_fraction, default=float("nan")),
-                       "margin": preset.activation_fraction / max(guard.act_fraction, default=float("nan"))},
+        "magnitude": {"threshold": preset.max_abs_logit, "max_abs_logit": max_abs,
+                      "margin": preset.max_abs_logit / max_abs},
+        "activation": {"threshold_fraction": preset.activation_fraction, "max_fraction": max_frac,
+                       "margin": preset.activation_fraction / max_frac},
+        "outlier": {"threshold": preset.outlier_limit, "max_rest_peak": max_rest,
+                    "p999_rest_peak": percentile(guard.rest_peak, 99.9),
+                    "margin": (preset.outlier_limit or math.nan) / max_rest},
+        "note": "statistics over every step of both populations; rungs int4 -> fp32, default guard",
         "env": environment(settings.n_threads),
     }
-    return out

@@ -2,14 +2,15 @@
 
 1. Step time, guarded vs bare: the same greedy decodes through the real ladder; bare is a plain
    llama.cpp context with the guard preset "off", guarded the context with the C activation
-   monitor and the "default" guard; alternating run by run (interleaved), each run 64 tokens with
-   EOS ignored, until each side has `steps` step samples. A step is accept-to-accept: push (decode),
+   monitor and the "default" guard, plus bare again as an A/A control (its ratio to bare is the
+   run's noise floor); the three rotate run by run (interleaved), each run 64 tokens with EOS
+   ignored, until each has `steps` step samples. A step is accept-to-accept: push (decode),
    logits, guard, sample. Reported: medians, p99s and their ratios.
 2. Handoff latency: a NaN fault at step K sends the request from int4 to fp32 at a total context
-   of 64, 512 and 1024 tokens (prompt = context - K, K = context / 2), with and without a warm
-   shadow; latency is hazard detected -> first healthy logits on fp32, also in units of fp32's
-   own decode step at that context. The repetition check is off here (EOS is ignored, so a 135M
-   model would loop before K).
+   of about 64, 512 and 1024 tokens (prompt = context / 2, K = context / 2 - 3, so the handoff
+   falls between two shadow syncs), with and without a warm shadow; latency is hazard detected ->
+   first healthy logits on fp32, also in units of fp32's own decode step at that context. The
+   repetition check is off here (EOS is ignored, so a 135M model would loop before K).
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ def _step_times(bare_int4: Engine, int4: Engine, steps: int, chunk: int) -> dict
     """bare: a plain llama.cpp context, guard off; guarded: the monitored context, guard on."""
     info = inspect_model()
     ladders = {"bare": Ladder([bare_int4], LadderConfig(guard=GUARD_PRESETS["off"])),
-               "guarded": Ladder([int4], LadderConfig(guard=GUARD_PRESETS["default"]))}
-    samples: dict[str, list[float]] = {"bare": [], "guarded": []}
-    hazards = {"bare": 0, "guarded": 0}
+               "guarded": Ladder([int4], LadderConfig(guard=GUARD_PRESETS["default"])),
+               "bare_again": Ladder([bare_int4], LadderConfig(guard=GUARD_PRESETS["off"]))}  # A/A control
+    samples: dict[str, list[float]] = {name: [] for name in ladders}
+    hazards = dict.fromkeys(ladders, 0)
     params = SamplingParams(max_tokens=chunk, ignore_eos=True)
     ids = [encode_segments(render_chat(info.chat_template, [{"role": "user", "content": p}]), int4.tokenize)
            for p in PROMPTS]
@@ -56,7 +58,8 @@ def _step_times(bare_int4: Engine, int4: Engine, steps: int, chunk: int) -> dict
         ladder.generate(ids[0], params)
     i = 0
     while min(len(v) for v in samples.values()) < steps:
-        order = ("bare", "guarded") if i % 2 == 0 else ("guarded", "bare")
+        names = list(ladders)
+        order = names[i % 3:] + names[: i % 3]  # rotated every run
         for name in order:
             r = ladders[name].generate(ids[i % len(ids)], params)
             samples[name].extend(r.step_ms)
@@ -69,6 +72,9 @@ def _step_times(bare_int4: Engine, int4: Engine, steps: int, chunk: int) -> dict
     out["overhead_ratio"] = out["guarded"]["median_ms"] / out["bare"]["median_ms"]
     out["overhead_ratio_p99"] = out["guarded"]["p99_ms"] / out["bare"]["p99_ms"]
     out["overhead_us_median"] = (out["guarded"]["median_ms"] - out["bare"]["median_ms"]) * 1e3
+    # The noise floor of this run: the same bare configuration measured twice.
+    out["aa_ratio"] = out["bare_again"]["median_ms"] / out["bare"]["median_ms"]
+    out["aa_ratio_p99"] = out["bare_again"]["p99_ms"] / out["bare"]["p99_ms"]
     return out
 
 
@@ -91,8 +97,8 @@ def _handoffs(int4: Engine, fp32: Engine, contexts: tuple[int, ...], repeats: in
         base += int4.tokenize(TEXT, False)
     out: dict[str, Any] = {}
     for ctx in contexts:
-        k = ctx // 2
-        prompt = base[: ctx - k]
+        k = ctx // 2 - 3  # the hazard strikes at ctx - 3 tokens, mid-way between shadow syncs
+        prompt = base[: ctx // 2]
         params = SamplingParams(max_tokens=k + 2, ignore_eos=True)
         runs: dict[str, list[dict[str, float]]] = {"cold": [], "warm": []}
         for rep in range(repeats):
@@ -102,7 +108,8 @@ def _handoffs(int4: Engine, fp32: Engine, contexts: tuple[int, ...], repeats: in
                 h = r.handoffs[0]
                 runs[mode].append({"latency_ms": h.latency_ms, "caught_up_tokens": h.caught_up_tokens})
         step_ms = _fp32_step_ms(fp32, base[:ctx])
-        entry: dict[str, Any] = {"prompt_tokens": ctx - k, "hazard_step": k, "fp32_decode_step_ms": step_ms}
+        entry: dict[str, Any] = {"prompt_tokens": len(prompt), "hazard_step": k,
+                                 "context_at_handoff": len(prompt) + k, "fp32_decode_step_ms": step_ms}
         for mode, rs in runs.items():
             lat = statistics.median(x["latency_ms"] for x in rs)
             entry[mode] = {"latency_ms": lat, "latency_fp32_steps": lat / step_ms,
@@ -124,9 +131,10 @@ def run_guard_bench(steps: int = 400, chunk: int = 64, contexts: tuple[int, ...]
         out["step"] = _step_times(bare_int4, int4, steps, chunk)
         out["overhead_ratio"] = out["step"]["overhead_ratio"]
         out["overhead_ratio_p99"] = out["step"]["overhead_ratio_p99"]
+        out["aa_ratio"], out["aa_ratio_p99"] = out["step"]["aa_ratio"], out["step"]["aa_ratio_p99"]
         out["handoff"] = _handoffs(int4, fp32, contexts, repeats)
         out["env"] = environment(settings.n_threads)
-        out["method"] = {"steps_per_side_min": steps, "interleaved": "alternating runs, order flipped each round",
+        out["method"] = {"steps_per_side_min": steps, "interleaved": "three configurations, order rotated each run",
                          "warmup": "one bare run", "handoff_repeats": repeats, "shadow_sync_every": 8,
                          "guard_presets": {"bare": "off", "guarded": "default"}}
         return out

@@ -20,8 +20,13 @@ def load_engine(
     """Load one rung on a GGUF (default: the embedded model). Raises ConfigError or ModelError."""
     if rung not in RUNGS:
         raise ConfigError(f"unknown rung {rung!r}; choose from {', '.join(RUNGS)}")
-    info = model if isinstance(model, ModelInfo) else inspect_model(model)
     s = settings or Settings.from_env()
+    info = model if isinstance(model, ModelInfo) else inspect_model(model, s.cache_dir)
+    # torch's intra-op pool, even when torch only runs the guard's reductions beside llama.cpp:
+    # a second spinning OpenMP thread steals the core the other engine decodes on.
+    import torch
+
+    torch.set_num_threads(s.n_threads)
     if rung == "int4":
         from qladder.engines.llamacpp import LlamaCppEngine
 

@@ -44,7 +44,8 @@ class Session(Protocol):
         ...
 
     def logits(self) -> torch.Tensor:
-        """Next-token logits, (V,) float32 on the CPU. Valid until the next push/extend/rollback."""
+        """Next-token logits, (V,) float32 on the CPU. Valid until the next call on this session
+        (engines may reuse one buffer): clone it to keep it."""
         ...
 
     def push(self, token_id: int) -> None:

@@ -29,6 +29,7 @@ from qladder.model import ModelInfo
 
 class LlamaCppEngine:
     name = "int4"
+    monitor_is_cheap = False  # a monitored step splits llama.cpp's graph at each layer output
 
     def __init__(self, info: ModelInfo, n_ctx: int = 2048, n_threads: int = 1, n_batch: int = 512,
                  monitor_dir: Path | None = None):
@@ -62,12 +63,13 @@ class LlamaCppEngine:
         # (W4A16) kernels this rung stands for, even though llama.cpp's CPU path computes in fp32.
         self.monitor: ActivationMonitor | None = None
         self.activation_peaks: torch.Tensor | None = None
+        self.activation_rest_peaks: torch.Tensor | None = None
         self.activation_limit = float(torch.finfo(torch.float16).max)
         self._own_ctx = None
         self.monitor_error: str | None = None
         if monitor_dir is not None:
             try:
-                self.monitor = ActivationMonitor(info.n_layer, monitor_dir)
+                self.monitor = ActivationMonitor(info.n_layer, info.n_embd, monitor_dir)
             except EngineError as exc:  # no compiler: run unmonitored, and say so
                 self.monitor_error = str(exc)
         if self.monitor is not None:
@@ -115,6 +117,7 @@ class LlamaCppEngine:
             return
         self.monitor.enabled = enabled
         self.activation_peaks = torch.from_numpy(self.monitor.peaks) if enabled else None
+        self.activation_rest_peaks = torch.from_numpy(self.monitor.rest_peaks) if enabled else None
 
     # -- control vector (fault injection through the real kernels) ---------------------------
     def set_control_vector(self, layer: int, channel: int, value: float) -> None:
@@ -161,6 +164,8 @@ class LlamaCppSession:
         self._ids: list[int] = []
         self._fresh = False  # whether the context's last logits row belongs to our last token
         self._closed = False
+        self._row = np.empty(engine.n_vocab, dtype=np.float32)
+        self._row_t = torch.from_numpy(self._row)
         engine._lib.llama_memory_clear(engine._memory, True)
 
     @property
@@ -182,10 +187,13 @@ class LlamaCppSession:
         if len(self._ids) + len(ids) > e.n_ctx:
             raise EngineError(f"context full ({e.n_ctx} tokens)")
         batch = e.llm._batch
-        if e.monitor is not None and e.monitor.enabled:
-            e.monitor.reset()  # peaks cover this call's positions only
+        monitor = e.monitor if e.monitor is not None and e.monitor.enabled else None
+        if monitor is not None:
+            monitor.reset()  # peaks cover this call's positions only
         for i in range(0, len(ids), e.llm.n_batch):
             chunk = ids[i : i + e.llm.n_batch]
+            if monitor is not None:
+                monitor.begin_batch(len(chunk), starts_at_zero=not self._ids)
             batch.set_batch(batch=chunk, n_past=len(self._ids), logits_all=False)
             rc = e._lib.llama_decode(e._ctx, batch.batch)
             if rc != 0:
@@ -209,8 +217,10 @@ class LlamaCppSession:
             self._e._lib.llama_memory_seq_rm(self._e._memory, 0, len(self._ids), -1)
             self._decode([last])
         ptr = self._e._lib.llama_get_logits_ith(self._e._ctx, -1)
-        row = np.ctypeslib.as_array(ptr, shape=(self._e.n_vocab,))
-        return torch.from_numpy(row.copy())  # (V,) float32; the C buffer is reused by the next decode
+        # Copied into one buffer per session: a fresh 192 KB array per step would be a fresh mmap,
+        # page faults and a cold cache for the guard's reductions. Valid until the next call.
+        np.copyto(self._row, np.ctypeslib.as_array(ptr, shape=(self._e.n_vocab,)))
+        return self._row_t  # (V,) float32
 
     def push(self, token_id: int) -> None:
         self._decode([int(token_id)])

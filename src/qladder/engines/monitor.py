@@ -24,7 +24,9 @@ SOURCE = Path(__file__).parent / "native" / "act_monitor.c"
 
 class _State(ctypes.Structure):
     _fields_ = [("enabled", ctypes.c_int32), ("n_layer", ctypes.c_int32), ("observed", ctypes.c_int64),
-                ("peaks", ctypes.POINTER(ctypes.c_float))]
+                ("peaks", ctypes.POINTER(ctypes.c_float)), ("rest_peaks", ctypes.POINTER(ctypes.c_float)),
+                ("n_embd", ctypes.c_int32), ("batch_tokens", ctypes.c_int32), ("pos0_in_batch", ctypes.c_int32),
+                ("_pad", ctypes.c_int32)]
 
 
 def _build(cache_dir: Path) -> Path:
@@ -51,14 +53,18 @@ def _build(cache_dir: Path) -> Path:
 
 
 class ActivationMonitor:
-    """Holds the C state; `peaks` is a numpy view of the per-layer maxima."""
+    """Holds the C state. `peaks`: per-layer max |hidden| over the batch; `rest_peaks`: the same
+    without the sequence's first position (its massive activation is normal)."""
 
-    def __init__(self, n_layer: int, cache_dir: Path):
+    def __init__(self, n_layer: int, n_embd: int, cache_dir: Path):
         import llama_cpp
 
         self._lib = ctypes.CDLL(str(_build(cache_dir)))
         self.peaks = np.zeros(n_layer, dtype=np.float32)
-        self.state = _State(0, n_layer, 0, self.peaks.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+        self.rest_peaks = np.zeros(n_layer, dtype=np.float32)
+        as_ptr = ctypes.POINTER(ctypes.c_float)
+        self.state = _State(0, n_layer, 0, self.peaks.ctypes.data_as(as_ptr), self.rest_peaks.ctypes.data_as(as_ptr),
+                            n_embd, 0, 0, 0)
         fn = self._lib.qladder_act_monitor
         self.callback = ctypes.cast(fn, llama_cpp.ggml_backend_sched_eval_callback)
         self.user_data = ctypes.cast(ctypes.pointer(self.state), ctypes.c_void_p)
@@ -72,5 +78,12 @@ class ActivationMonitor:
         self.state.enabled = int(on)
 
     def reset(self) -> None:
+        """Before a decode call: peaks then cover that call's positions only."""
         self.peaks[:] = 0.0
+        self.rest_peaks[:] = 0.0
         self.state.observed = 0
+
+    def begin_batch(self, batch_tokens: int, starts_at_zero: bool) -> None:
+        """Before each llama_decode: its size, and whether it holds position 0."""
+        self.state.batch_tokens = batch_tokens
+        self.state.pos0_in_batch = int(starts_at_zero)

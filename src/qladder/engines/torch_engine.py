@@ -71,6 +71,8 @@ def _cached_checkpoint(info: ModelInfo, cache_dir: Path) -> Path:
 class TorchEngine:
     """A torch rung. One thread by default (see config.Settings)."""
 
+    monitor_is_cheap = True  # forward hooks writing into a preallocated tensor
+
     def __init__(self, info: ModelInfo, rung: str, cache_dir: Path, n_ctx: int = 2048, n_threads: int = 1):
         if rung not in DTYPES:
             raise ModelError(f"unknown torch rung {rung!r}")
@@ -91,6 +93,8 @@ class TorchEngine:
         self._fingerprint: str | None = None
         # Activation monitor: per-layer max |hidden| of the last forward, preallocated.
         self.activation_peaks = torch.zeros(self.n_layer, dtype=torch.float32)
+        self.activation_rest_peaks = torch.zeros(self.n_layer, dtype=torch.float32)
+        self._pos0_in_batch = False  # set by a session around each forward
         self.activation_limit = float(torch.finfo(self.dtype).max)
         self._monitor_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._fault_handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -121,7 +125,9 @@ class TorchEngine:
 
     # -- monitors and faults (hooks on decoder layers) ---------------------------------------
     def monitor_activations(self, enabled: bool = True) -> None:
-        """Record max |hidden| after every decoder layer of each forward into `activation_peaks`."""
+        """Record, after every decoder layer of each forward, max |hidden| over the batch into
+        `activation_peaks` and the same without position 0 (the attention sink's massive
+        activation, which is normal) into `activation_rest_peaks`."""
         if enabled == bool(self._monitor_handles):
             return
         for h in self._monitor_handles:
@@ -129,12 +135,22 @@ class TorchEngine:
         self._monitor_handles = []
         if not enabled:
             return
-        peaks = self.activation_peaks
+        peaks, rest = self.activation_peaks, self.activation_rest_peaks
         for i, layer in enumerate(self.model.model.layers):
 
             def hook(_m: torch.nn.Module, _a: object, out: object, i: int = i) -> None:
-                h = out[0] if isinstance(out, tuple) else out  # (B, T, D)
-                peaks[i].copy_(h.detach().abs().amax())  # stays a tensor op: no host sync here
+                h = (out[0] if isinstance(out, tuple) else out).detach()  # (B, T, D)
+                a = h.abs()
+                # tensor ops into preallocated buffers: no host sync here
+                if self._pos0_in_batch and a.shape[1] > 1:
+                    rest[i].copy_(a[:, 1:].amax())
+                    peaks[i].copy_(torch.maximum(rest[i], a[:, 0].amax()))
+                elif self._pos0_in_batch:
+                    rest[i].zero_()
+                    peaks[i].copy_(a.amax())
+                else:
+                    peaks[i].copy_(a.amax())
+                    rest[i].copy_(peaks[i])
 
             self._monitor_handles.append(layer.register_forward_hook(hook))
 
@@ -197,6 +213,7 @@ class TorchSession:
         if len(self._ids) + len(ids) > self._engine.n_ctx:
             raise EngineError(f"context full ({self._engine.n_ctx} tokens)")
         x = torch.tensor([ids], dtype=torch.long)  # (1, T)
+        self._engine._pos0_in_batch = not self._ids
         try:
             with torch.inference_mode():
                 out = self._engine.model(

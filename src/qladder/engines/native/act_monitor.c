@@ -1,9 +1,13 @@
 /* Per-layer activation peaks inside llama.cpp, for qladder's step guard.
  *
  * A ggml_backend_sched eval callback: asked about every graph node, it wants only the residual
- * stream after each decoder layer ("l_out-<il>", F32 on the CPU backend), and records
- * max |x| per layer into a caller-owned float array. A NaN is recorded as NaN. Written in C
- * because a Python callback costs ~1 us per graph node (~10% of a decode step).
+ * stream after each decoder layer ("l_out-<il>", F32 rows of n_embd on the CPU backend), and
+ * records per layer
+ *   peaks[il]       max |x| over every position of the batch (headroom to the dtype's limit)
+ *   rest_peaks[il]  the same without the sequence's first position, whose "massive activation"
+ *                   (an attention sink, ~24,900 in SmolLM2) is normal; elsewhere an outlier is not.
+ * A NaN is recorded as NaN. Written in C because a Python callback costs ~1 us per graph node
+ * (~10% of a decode step).
  */
 #include <math.h>
 #include <stdbool.h>
@@ -18,41 +22,58 @@ extern size_t ggml_nbytes(const struct ggml_tensor *t);
 extern void *ggml_get_data(const struct ggml_tensor *t);
 
 typedef struct {
-    int32_t enabled;   /* 0: decline every node (no graph splits) */
+    int32_t enabled;       /* 0: decline every node (no graph splits) */
     int32_t n_layer;
-    int64_t observed;  /* tensors observed since the last reset */
-    float *peaks;      /* [n_layer], reset by the caller before each decode */
+    int64_t observed;      /* tensors observed since the last reset */
+    float *peaks;          /* [n_layer], reset by the caller before each decode */
+    float *rest_peaks;     /* [n_layer] */
+    int32_t n_embd;
+    int32_t batch_tokens;  /* tokens in the batch being decoded */
+    int32_t pos0_in_batch; /* whether the batch starts at position 0 */
+    int32_t _pad;
 } qladder_monitor;
+
+static float absmax(const float *x, int64_t n, float peak) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = fabsf(x[i]);
+        if (isnan(v)) {
+            return v;
+        }
+        if (v > peak) {
+            peak = v;
+        }
+    }
+    return peak;
+}
+
+static void merge(float *slot, float v) {
+    if (!isnan(*slot) && (isnan(v) || v > *slot)) {
+        *slot = v;
+    }
+}
 
 bool qladder_act_monitor(struct ggml_tensor *t, bool ask, void *user_data) {
     qladder_monitor *m = (qladder_monitor *)user_data;
-    const char *name = ggml_get_name(t);
-    bool wanted = m->enabled && strncmp(name, "l_out-", 6) == 0;
-    if (ask) {
-        return wanted;
+    bool wanted = m->enabled && strncmp(ggml_get_name(t), "l_out-", 6) == 0;
+    if (ask || !wanted) {
+        return ask ? wanted : true;
     }
-    if (!wanted) {
-        return true;
-    }
-    int il = atoi(name + 6);
+    int il = atoi(ggml_get_name(t) + 6);
     int64_t n = ggml_nelements(t);
     const float *x = (const float *)ggml_get_data(t);
-    if (il < 0 || il >= m->n_layer || x == NULL || ggml_nbytes(t) != (size_t)n * sizeof(float)) {
+    if (il < 0 || il >= m->n_layer || x == NULL || m->n_embd <= 0 ||
+        ggml_nbytes(t) != (size_t)n * sizeof(float) || n % m->n_embd != 0) {
         return true;
     }
-    float peak = m->peaks[il];
-    for (int64_t i = 0; i < n; i++) {
-        float v = fabsf(x[i]);
-        if (v > peak || isnan(v)) {
-            peak = v;
-            if (isnan(v)) {
-                break;
-            }
-        }
-    }
-    if (!isnan(m->peaks[il])) {
-        m->peaks[il] = peak;
-    }
+    int64_t rows = n / m->n_embd;
+    /* Row 0 is position 0 only when the batch starts there and no rows were dropped (the last
+       layer keeps only the rows whose logits are wanted). */
+    int64_t skip = (m->pos0_in_batch && rows == m->batch_tokens) ? m->n_embd : 0;
+    float first = absmax(x, skip, 0.0f);
+    float rest = absmax(x + skip, n - skip, 0.0f);
+    merge(&m->rest_peaks[il], rest);
+    merge(&m->peaks[il], first);
+    merge(&m->peaks[il], rest);
     m->observed++;
     return true;
 }

@@ -9,7 +9,7 @@ import torch
 
 from qladder.engines.scripted import ScriptedEngine
 from qladder.faults import parse_fault
-from qladder.health.guard import GUARD_PRESETS
+from qladder.health.guard import GUARD_PRESETS, StepGuard
 from qladder.incidents import IncidentStore
 from qladder.ladder import Ladder, LadderConfig
 from qladder.model import encode_segments, render_chat
@@ -211,3 +211,40 @@ def test_int4_gain_fault_caught_at_prefill_by_the_activation_monitor(x, check):
         _chat(int4, "What is the capital of France? Answer in one sentence."), SamplingParams(max_tokens=16),
         faults=[parse_fault(f"gain@layer=11,channel=507,x={x}")])
     assert bare.hazards == [] and "Paris" not in bare.text
+
+
+def test_int4_fused_row_stats_match_torch_reductions():
+    int4 = get_engine("int4")
+    int4.guard_row_stats(True)
+    try:
+        s = int4.open(_chat(int4, "Hi"))
+        row = s.logits()
+        total, hi, lo = s.row_stats()
+        assert total == pytest.approx(float(row.double().sum()), rel=1e-6)
+        assert (hi, lo) == (float(row.max()), float(row.min()))
+        s.push(int(row.argmax()))
+        row2 = s.logits()
+        assert s.row_stats()[1] == float(row2.max())
+        s.close()
+    finally:
+        int4.guard_row_stats(False)
+    s = int4.open(_chat(int4, "Hi"))
+    s.logits()
+    assert s.row_stats() is None  # without the flag the copy is a plain copy
+    s.close()
+
+
+def test_native_copy_stats_on_nan_and_inf_rows(tmp_path):
+    import numpy as np
+
+    from qladder.engines.monitor import ActivationMonitor
+
+    m = ActivationMonitor(n_layer=2, n_embd=4, cache_dir=tmp_path)
+    for src, expect in [([1.0, math.nan, 2.5], "nan"), ([1.0, math.inf, 2.5], "inf"), ([0.0, 0.0, 0.0], "zero")]:
+        a = np.array(src, dtype=np.float32)
+        dst = np.empty_like(a)
+        out = np.zeros(3)
+        m.copy_stats(a.ctypes.data, dst.ctypes.data, a.size, out.ctypes.data)
+        np.testing.assert_array_equal(dst, a)
+        guard_hazard = StepGuard().check(torch.from_numpy(dst), [], "int4", row_stats=tuple(out))
+        assert guard_hazard is not None and guard_hazard.check == ("flat" if expect == "zero" else "nonfinite")

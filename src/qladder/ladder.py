@@ -65,6 +65,9 @@ class Ladder:
             monitor = getattr(e, "monitor_activations", None)
             if monitor is not None:
                 monitor(self.config.guard.check_activations)
+            row_stats = getattr(e, "guard_row_stats", None)
+            if row_stats is not None:
+                row_stats(self.config.guard.check_logits)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                  faults: Sequence[Fault] = (), prompt_text: str | None = None,
@@ -204,8 +207,9 @@ class _Run:
             hazard, self.pending = self.pending, None
             return None, hazard
         t = self.L.clock()
+        session = self.sessions[self.rung]
         try:
-            row = self.sessions[self.rung].logits()
+            row = session.logits()
         except EngineError as exc:
             return None, Hazard("engine_error", name, step, detail=str(exc))
         took = self.push_s + (self.L.clock() - t)
@@ -216,7 +220,9 @@ class _Run:
         peaks = getattr(engine, "activation_peaks", None) if self.monitored else None
         rest = getattr(engine, "activation_rest_peaks", None) if self.monitored else None
         limit = getattr(engine, "activation_limit", None)
-        return row, self.L.guard.check(row, self.accepted, name, peaks, limit, rest)
+        stats_fn = getattr(session, "row_stats", None)  # computed with the engine's copy, if any
+        stats = stats_fn() if stats_fn is not None else None
+        return row, self.L.guard.check(row, self.accepted, name, peaks, limit, rest, stats)
 
     def accept(self, token: int) -> None:
         now = self.L.clock()

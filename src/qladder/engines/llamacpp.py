@@ -111,6 +111,11 @@ class LlamaCppEngine:
         body = [t for t in token_ids if t not in self.eos_ids]
         return self.llm.detokenize(body).decode("utf-8", "replace")
 
+    def guard_row_stats(self, enabled: bool = True) -> None:
+        """Compute the guard's row statistics while copying each logits row (native helper)."""
+        if self.monitor is not None:
+            self.monitor.enabled_stats = enabled
+
     def monitor_activations(self, enabled: bool = True) -> None:
         """Record per-layer max |hidden| on every decode (needs the monitor built at load)."""
         if self.monitor is None:
@@ -166,6 +171,8 @@ class LlamaCppSession:
         self._closed = False
         self._row = np.empty(engine.n_vocab, dtype=np.float32)
         self._row_t = torch.from_numpy(self._row)
+        self._stats = np.zeros(3, dtype=np.float64)
+        self._stats_valid = False
         engine._lib.llama_memory_clear(engine._memory, True)
 
     @property
@@ -219,8 +226,21 @@ class LlamaCppSession:
         ptr = self._e._lib.llama_get_logits_ith(self._e._ctx, -1)
         # Copied into one buffer per session: a fresh 192 KB array per step would be a fresh mmap,
         # page faults and a cold cache for the guard's reductions. Valid until the next call.
-        np.copyto(self._row, np.ctypeslib.as_array(ptr, shape=(self._e.n_vocab,)))
+        if self._e.monitor is not None and self._e.monitor.enabled_stats:
+            # The guard's sum/max/min computed in the same pass as the copy (native helper).
+            self._e.monitor.copy_stats(ptr, self._row.ctypes.data, self._e.n_vocab, self._stats.ctypes.data)
+            self._stats_valid = True
+        else:
+            np.copyto(self._row, np.ctypeslib.as_array(ptr, shape=(self._e.n_vocab,)))
+            self._stats_valid = False
         return self._row_t  # (V,) float32
+
+    def row_stats(self) -> tuple[float, float, float] | None:
+        """(sum, max, min) of the row the last `logits()` returned, when computed with it."""
+        if not self._stats_valid:
+            return None
+        s = self._stats
+        return float(s[0]), float(s[1]), float(s[2])
 
     def push(self, token_id: int) -> None:
         self._decode([int(token_id)])

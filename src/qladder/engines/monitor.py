@@ -65,9 +65,13 @@ class ActivationMonitor:
         as_ptr = ctypes.POINTER(ctypes.c_float)
         self.state = _State(0, n_layer, 0, self.peaks.ctypes.data_as(as_ptr), self.rest_peaks.ctypes.data_as(as_ptr),
                             n_embd, 0, 0, 0)
+        self._lib.qladder_copy_stats.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        self._lib.qladder_copy_stats.restype = None
+        self.copy_stats = self._lib.qladder_copy_stats  # (src, dst, n, out[3] doubles)
         fn = self._lib.qladder_act_monitor
         self.callback = ctypes.cast(fn, llama_cpp.ggml_backend_sched_eval_callback)
         self.user_data = ctypes.cast(ctypes.pointer(self.state), ctypes.c_void_p)
+        self.enabled_stats = False  # whether logits copies also compute the guard's row stats
 
     @property
     def enabled(self) -> bool:

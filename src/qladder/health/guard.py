@@ -81,16 +81,19 @@ class StepGuard:
         activation_peaks: torch.Tensor | None = None,
         activation_limit: float | None = None,
         rest_peaks: torch.Tensor | None = None,
+        row_stats: tuple[float, float, float] | None = None,
     ) -> Hazard | None:
         """row: (V,) float32 logits; generated: ids accepted so far (the step index is their count);
         activation_peaks: (L,) per-layer max |hidden| with `activation_limit` the dtype's max;
-        rest_peaks: (L,) the same away from the sequence's first position."""
+        rest_peaks: (L,) the same away from the sequence's first position;
+        row_stats: (sum, max, min) of the row when the engine computed them with its copy."""
         c = self.config
         step = len(generated)
         use_act = c.check_activations and activation_peaks is not None and activation_limit is not None
         use_rest = use_act and rest_peaks is not None and c.outlier_limit is not None
-        if c.check_logits or use_act:
-            parts = [row.sum(), row.amax(), row.amin()] if c.check_logits else []
+        reduce_row = c.check_logits and row_stats is None
+        if reduce_row or use_act:
+            parts = [row.sum(), row.amax(), row.amin()] if reduce_row else []
             if use_act:
                 assert activation_peaks is not None and activation_limit is not None
                 limit = c.activation_fraction * activation_limit
@@ -99,8 +102,10 @@ class StepGuard:
                 assert rest_peaks is not None and c.outlier_limit is not None
                 parts += _first_over(rest_peaks, c.outlier_limit)
             values = torch.stack(parts).tolist()  # the step's single host sync
+            if reduce_row:
+                row_stats = (values[0], values[1], values[2])
             if use_act:
-                base = 3 if c.check_logits else 0
+                base = 3 if reduce_row else 0
                 hit, layer, peak = values[base : base + 3]
                 if hit:
                     return Hazard("activation", rung, step, peak, limit, int(layer),
@@ -112,10 +117,11 @@ class StepGuard:
                         return Hazard("outlier", rung, step, peak, c.outlier_limit, int(layer),
                                       f"|hidden| {peak:.6g} at layer {int(layer)} away from the first "
                                       f"position, over the calibrated {c.outlier_limit:.6g}")
-            if c.check_logits:
-                hazard = self._check_row(values[0], values[1], values[2], row.numel(), rung, step)
-                if hazard is not None:
-                    return hazard
+        if c.check_logits:
+            assert row_stats is not None
+            hazard = self._check_row(*row_stats, row.numel(), rung, step)
+            if hazard is not None:
+                return hazard
         if c.check_repetition and len(generated) >= c.repetition_min_span:
             period = find_repetition(generated, c.repetition_min_period, c.repetition_max_period,
                                      c.repetition_min_repeats, c.repetition_min_span)

@@ -77,3 +77,24 @@ bool qladder_act_monitor(struct ggml_tensor *t, bool ask, void *user_data) {
     m->observed++;
     return true;
 }
+
+/* The step guard's row statistics, fused into the copy of llama.cpp's logits row: one pass
+ * instead of a copy plus three reductions. out = {sum, max, min}; NaN/Inf propagate into the sum
+ * (and NaN into max/min), as torch's reductions do.
+ */
+void qladder_copy_stats(const float *src, float *dst, int64_t n, double *out) {
+    double sum = 0.0;
+    float hi = -INFINITY, lo = INFINITY;
+    int nan_seen = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float v = src[i];
+        dst[i] = v;
+        sum += v;
+        if (v > hi) hi = v;
+        if (v < lo) lo = v;
+        nan_seen |= isnan(v);
+    }
+    out[0] = sum;
+    out[1] = nan_seen ? NAN : hi;
+    out[2] = nan_seen ? NAN : lo;
+}

@@ -97,6 +97,24 @@ class Engine(Protocol):
         ...
 
 
+class TokenIdsMixin:
+    """What every session keeps the same way: the ids in its cache, and the rollback bounds."""
+
+    _ids: list[int]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self._ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._ids)
+
+    def _check_rollback(self, n: int) -> None:
+        if n < 0 or n >= len(self._ids):
+            raise ValueError(f"cannot roll back {n} of {len(self._ids)} tokens")
+
+
 def tokenizer_fingerprint(pieces: Iterable[str], special_ids: dict[str, int | None]) -> str:
     """sha256 over the vocabulary pieces in id order and the special token ids."""
     h = hashlib.sha256()

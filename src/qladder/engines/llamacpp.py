@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qladder.engines.base import tokenizer_fingerprint
+from qladder.engines.base import TokenIdsMixin, tokenizer_fingerprint
 from qladder.engines.monitor import ActivationMonitor
 from qladder.errors import EngineError, InputError, ModelError
 from qladder.model import ModelInfo
@@ -161,7 +161,7 @@ class LlamaCppEngine:
         self.llm.close()
 
 
-class LlamaCppSession:
+class LlamaCppSession(TokenIdsMixin):
     """The engine's single sequence (seq 0). Opening another session closes this one."""
 
     def __init__(self, engine: LlamaCppEngine):
@@ -174,14 +174,6 @@ class LlamaCppSession:
         self._stats = np.zeros(3, dtype=np.float64)
         self._stats_valid = False
         engine._lib.llama_memory_clear(engine._memory, True)
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self._ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._ids)
 
     def _check(self) -> None:
         if self._closed or self._e._owner is not self:
@@ -251,8 +243,7 @@ class LlamaCppSession:
 
     def rollback(self, n: int) -> None:
         self._check()
-        if n < 0 or n >= len(self._ids):
-            raise ValueError(f"cannot roll back {n} of {len(self._ids)} tokens")
+        self._check_rollback(n)
         if n == 0:
             return
         keep = len(self._ids) - n

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from qladder.engines.base import tokenizer_fingerprint
+from qladder.engines.base import TokenIdsMixin, tokenizer_fingerprint
 from qladder.errors import EngineError, InputError
 
 LogitsFn = Callable[[Sequence[int]], Sequence[float] | torch.Tensor]
@@ -68,20 +68,12 @@ class ScriptedEngine:
         pass
 
 
-class ScriptedSession:
+class ScriptedSession(TokenIdsMixin):
     def __init__(self, engine: ScriptedEngine, ids: list[int]):
         self._e = engine
         self._ids = ids
         self._row: torch.Tensor | None = engine._row(ids)
         self._closed = False
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self._ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._ids)
 
     def logits(self) -> torch.Tensor:
         if self._closed:
@@ -101,8 +93,7 @@ class ScriptedSession:
             self._row = self._e._row(self._ids)
 
     def rollback(self, n: int) -> None:
-        if n < 0 or n >= len(self._ids):
-            raise ValueError(f"cannot roll back {n} of {len(self._ids)} tokens")
+        self._check_rollback(n)
         if n:
             del self._ids[-n:]
             self._row = None

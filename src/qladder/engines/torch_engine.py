@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from qladder.engines.base import tokenizer_fingerprint
+from qladder.engines.base import TokenIdsMixin, tokenizer_fingerprint
 from qladder.errors import EngineError, InputError, ModelError
 from qladder.model import ModelInfo
 
@@ -183,7 +183,7 @@ class TorchEngine:
         self.clear_faults()
 
 
-class TorchSession:
+class TorchSession(TokenIdsMixin):
     """A sequence on a torch rung, with a DynamicCache that rollback truly crops."""
 
     def __init__(self, engine: TorchEngine, prompt_ids: Sequence[int]):
@@ -198,14 +198,6 @@ class TorchSession:
         self._ids: list[int] = []
         self._logits: torch.Tensor | None = None
         self._forward(list(prompt_ids))
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self._ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._ids)
 
     def _forward(self, ids: list[int]) -> None:
         if self._cache is None:
@@ -246,8 +238,7 @@ class TorchSession:
             self._forward([int(t) for t in token_ids])
 
     def rollback(self, n: int) -> None:
-        if n < 0 or n >= len(self._ids):
-            raise ValueError(f"cannot roll back {n} of {len(self._ids)} tokens")
+        self._check_rollback(n)
         if n == 0 or self._cache is None:
             return
         self._cache.crop(-n)

@@ -248,3 +248,27 @@ def test_native_copy_stats_on_nan_and_inf_rows(tmp_path):
         np.testing.assert_array_equal(dst, a)
         guard_hazard = StepGuard().check(torch.from_numpy(dst), [], "int4", row_stats=tuple(out))
         assert guard_hazard is not None and guard_hazard.check == ("flat" if expect == "zero" else "nonfinite")
+
+
+def test_corrupted_quantization_scale_in_a_gguf_copy_is_caught(tmp_path):
+    """A corrupted scale in one Q4_1 block of layer 11's ffn_down (row 507): real kernels, real
+    garbage bare; the guarded ladder sees the outlier at prefill and fp32 answers."""
+    from qladder.config import Settings
+    from qladder.engines import load_engine
+    from qladder.faults import corrupt_gguf_scale
+    from qladder.model import bundled_model_path, inspect_model
+
+    dst = tmp_path / "corrupt.gguf"
+    change = corrupt_gguf_scale(bundled_model_path(), dst, x=1000.0)
+    assert change["new_d"] == pytest.approx(change["d"] * 1000.0, rel=1e-3)
+    bad = load_engine("int4", inspect_model(dst, tmp_path), Settings.from_env())
+    fp32 = get_engine("fp32")
+    try:
+        prompt = _chat(bad, "What is the capital of France? Answer in one sentence.")
+        bare = Ladder([bad], LadderConfig(guard=GUARD_PRESETS["off"])).generate(prompt, SamplingParams(max_tokens=16))
+        assert "Paris" not in bare.text
+        r = Ladder([bad, fp32]).generate(prompt, SamplingParams(max_tokens=16))
+        assert [(h.check, h.step, h.layer) for h in r.hazards] == [("outlier", 0, 11)]
+        assert set(r.token_rungs) == {"fp32"} and "Paris" in r.text
+    finally:
+        bad.close()

@@ -17,6 +17,11 @@ Spec strings (CLI `--fault`):
                     layer 11 channel 507, applied at every position. llama.cpp computes in fp32,
                     so this stays finite there: bare, it is silent garbage (",,,," or newlines).
 
+A corrupted quantization scale is not a per-request fault: `corrupt_gguf_scale` writes a copy of
+the GGUF with one block's scale multiplied, and an int4 engine loaded on that copy runs llama.cpp's
+real kernels on it (layer 11 ffn_down, row 507, x=1000 turns "Paris" into garbage; the guard's
+outlier check catches it at prefill).
+
 Steps count generated tokens: step K is the logits row from which token K would be sampled
 (step 0 is the row right after prefill).
 """
@@ -27,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -168,3 +174,43 @@ def _gain_fn(channel: int, x: float) -> Callable[[torch.Tensor], torch.Tensor]:
         return h
 
     return apply
+
+
+# -- a corrupted quantization scale, through the real int4 kernels ---------------------------------
+
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # each block starts with its fp16 scale d
+
+
+def corrupt_gguf_scale(src: Path, dst: Path, tensor: str = "blk.11.ffn_down.weight", row: int = 507,
+                       block: int = 0, x: float = 1000.0) -> dict[str, float | int | str]:
+    """Write a copy of a GGUF whose one quantization block has its scale `d` multiplied by x.
+
+    Emulates a corrupted scale in one layer (a bit flip in memory or a bad conversion): the 32
+    weights of that block, in output row `row`, become x times too large, so that row's output
+    channel carries an outlier at every position. The file is patched in place of one fp16; llama.cpp
+    then runs its real kernels on it. Returns what was changed.
+    """
+    import shutil
+
+    import numpy as np
+    from gguf import GGUFReader
+
+    info = {t.name: t for t in GGUFReader(str(src)).tensors}
+    if tensor not in info:
+        raise ConfigError(f"no tensor {tensor!r} in {src}")
+    t = info[tensor]
+    size = _BLOCK_BYTES.get(t.tensor_type.name)
+    if size is None:
+        raise ConfigError(f"{tensor} is {t.tensor_type.name}; scale corruption supports {sorted(_BLOCK_BYTES)}")
+    rows, row_bytes = t.data.shape
+    if not (0 <= row < rows and 0 <= block < row_bytes // size):
+        raise ConfigError(f"row {row} / block {block} out of range for {tensor} ({rows} rows)")
+    offset = int(t.data_offset) + row * row_bytes + block * size
+    shutil.copyfile(src, dst)
+    with open(dst, "r+b") as f:
+        f.seek(offset)
+        d = float(np.frombuffer(f.read(2), dtype=np.float16)[0])
+        new = float(np.clip(d * x, -65504.0, 65504.0))
+        f.seek(offset)
+        f.write(np.float16(new).tobytes())
+    return {"tensor": tensor, "row": row, "block": block, "offset": offset, "d": d, "new_d": new}

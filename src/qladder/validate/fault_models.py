@@ -7,8 +7,9 @@ Triggers: in the replay a fault model is attached to abnormal prompts (the origi
 failures came on very long math, code and abnormal Unicode), assigned round-robin so that every
 model meets several prompt classes.
 
-Not implemented (optional in the issue): glitch-token embedding scaling and a corrupted-scale
-copy of the GGUF; `FAULT_MODELS` is where they would be added.
+Not in the replay yet: glitch-token embedding scaling, and the corrupted-scale GGUF copy
+(`qladder.faults.corrupt_gguf_scale` builds it and tests/test_ladder.py checks the guard catches
+it, but the replay does not yet swap in an engine loaded on the copy).
 """
 
 from __future__ import annotations

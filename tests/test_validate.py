@@ -61,7 +61,7 @@ def test_subset_takes_the_first_items_of_each_class():
 
 def test_fault_models_parse_and_document_themselves():
     for m in FAULT_MODELS:
-        assert m.faults and m.phenomenon and m.mechanism
+        assert (m.faults or m.gguf_patch) and m.phenomenon and m.mechanism
     assert [m.name for m in by_name(["nan_logits", "error@step=1"])] == ["nan_logits", "custom:error@step=1"]
     with pytest.raises(ConfigError):
         by_name(["boom@step=1"])

@@ -7,9 +7,9 @@ Triggers: in the replay a fault model is attached to abnormal prompts (the origi
 failures came on very long math, code and abnormal Unicode), assigned round-robin so that every
 model meets several prompt classes.
 
-Not in the replay yet: glitch-token embedding scaling, and the corrupted-scale GGUF copy
-(`qladder.faults.corrupt_gguf_scale` builds it and tests/test_ladder.py checks the guard catches
-it, but the replay does not yet swap in an engine loaded on the copy).
+A model with `gguf_patch` is not a per-request fault: the replay writes a patched copy of the
+GGUF (`qladder.faults.corrupt_gguf_scale`) and serves that model's prompts, bare and guarded, from
+an int4 engine loaded on the copy. Not implemented yet: glitch-token embedding scaling.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class FaultModel:
     mechanism: str
     trigger: str = "attached to abnormal prompts, round-robin over the classes"
     quick: bool = True  # part of `--quick`
+    gguf_patch: tuple[tuple[str, str | int | float], ...] | None = None  # corrupt_gguf_scale kwargs
 
     @property
     def faults(self) -> list[Fault]:
@@ -35,7 +36,8 @@ class FaultModel:
 
     def to_dict(self) -> dict[str, object]:
         return {"name": self.name, "specs": list(self.specs), "phenomenon": self.phenomenon,
-                "mechanism": self.mechanism, "trigger": self.trigger}
+                "mechanism": self.mechanism, "trigger": self.trigger,
+                "gguf_patch": dict(self.gguf_patch) if self.gguf_patch else None}
 
 
 FAULT_MODELS: tuple[FaultModel, ...] = (
@@ -73,6 +75,16 @@ FAULT_MODELS: tuple[FaultModel, ...] = (
         "harsher than the multiplicative first-token outlier); llama.cpp computes in fp32, so the "
         "rows stay finite and only the activation monitor (fp16 limit) can see it. On torch rungs "
         "a forward hook multiplies the channel by x."),
+    FaultModel(
+        "corrupted_scale", (),
+        "A corrupted quantization scale in one layer (a bit flip in memory, a bad conversion): the "
+        "32 weights of one Q4_1 block become 1000x too large, so one output channel of layer 11's "
+        "FFN carries an outlier at every position.",
+        "A copy of the GGUF with the fp16 scale of block 0 of blk.11.ffn_down.weight, row 507, "
+        "multiplied by 1000 (qladder.faults.corrupt_gguf_scale); both configurations run an int4 "
+        "engine loaded on the copy: llama.cpp's real kernels on corrupted weights.",
+        trigger="the prompts assigned to it are served by the corrupted copy",
+        gguf_patch=(("tensor", "blk.11.ffn_down.weight"), ("row", 507), ("block", 0), ("x", 1000.0))),
 )
 
 

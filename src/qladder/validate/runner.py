@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -120,6 +121,7 @@ class Run:
     memory: dict[str, float] = field(default_factory=dict)
     outcomes: list[Outcome] = field(default_factory=list)
     times: dict[str, float] = field(default_factory=dict)
+    cleanup: list[Path] = field(default_factory=list)  # temporary folders (patched GGUF copies)
 
     def total_steps(self) -> int:
         c = self.cfg
@@ -178,6 +180,33 @@ def configs(run: Run, incidents: Any) -> tuple[Bare, Guarded]:
     return Bare(e["int4"], e["info"]), Guarded(q)
 
 
+def patched_configs(run: Run, model: FaultModel, guarded: Guarded) -> tuple[Bare, Guarded]:
+    """Bare and guarded on an int4 engine loaded on a patched copy of the GGUF (built once)."""
+    import tempfile
+
+    from qladder.engines import load_engine
+    from qladder.faults import corrupt_gguf_scale
+    from qladder.ladder import LadderConfig
+    from qladder.model import inspect_model
+    from qladder.sanitize import PRESETS
+    from qladder.service import Qladder
+
+    key = f"patched:{model.name}"
+    if key not in run.engines:
+        e = run.engines
+        tmp = Path(tempfile.mkdtemp(prefix="qladder-patched-"))
+        run.cleanup.append(tmp)
+        dst = tmp / f"{model.name}.gguf"
+        corrupt_gguf_scale(e["info"].path, dst, **dict(model.gguf_patch or ()))  # type: ignore[arg-type]
+        info = inspect_model(dst, tmp)
+        engine = load_engine("int4", info, e["settings"])
+        q = Qladder(engines=[engine, e["fp32"]], model=info, settings=e["settings"], ladder_config=LadderConfig(),
+                    sanitize_config=PRESETS["default"], incidents=guarded.q.ladder.incidents)
+        run.engines[key] = (engine, Bare(engine, info), Guarded(q))
+    _, b, g = run.engines[key]
+    return b, g
+
+
 def replay(run: Run, bare: Bare, guarded: Guarded, progress: Progress) -> dict[str, Any]:
     """Warm-up, normal rounds, fp32 reference, abnormal, faulted. Returns the agreement sections."""
     from qladder.sampling import SamplingParams
@@ -207,7 +236,8 @@ def replay(run: Run, bare: Bare, guarded: Guarded, progress: Progress) -> dict[s
     progress.phase("faulted")
     for a in assign(len(run.abnormal), run.models, c.prompts_per_fault, run.skip()):
         p = run.abnormal[a.prompt_index]
-        for cfg in (bare, guarded):
+        pair = (bare, guarded) if a.model.gguf_patch is None else patched_configs(run, a.model, guarded)
+        for cfg in pair:
             run.outcomes.append(cfg.run(p, "abnormal", a.model.name, a.model.faults, params))
             progress.tick()
     return agreement_sections
@@ -320,6 +350,11 @@ def validate(cfg: ValidateConfig, out_dir: Path, show_progress: bool = True,
         for name in ("int4", "fp32", "w4a16"):
             if name in run.engines:
                 run.engines[name].close()
+        for key, value in run.engines.items():
+            if key.startswith("patched:"):
+                value[0].close()
+        for folder in run.cleanup:
+            shutil.rmtree(folder, ignore_errors=True)
     results["elapsed_s"] = time.perf_counter() - t_start
     results["phase_durations_s"] = progress.durations
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False, default=str))

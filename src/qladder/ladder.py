@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qladder.engines import instrument
 from qladder.engines.base import Engine, Session, check_handoff
 from qladder.errors import EngineError, InputError
 from qladder.faults import Fault, FaultySession, engine_faults
@@ -62,12 +63,7 @@ class Ladder:
     def _set_monitors(self) -> None:
         """Engines may be shared between ladders: each request sets the monitors it needs."""
         for e in self.engines:
-            monitor = getattr(e, "monitor_activations", None)
-            if monitor is not None:
-                monitor(self.config.guard.check_activations)
-            row_stats = getattr(e, "guard_row_stats", None)
-            if row_stats is not None:
-                row_stats(self.config.guard.check_logits)
+            instrument(e, self.config.guard.check_activations, self.config.guard.check_logits)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                  faults: Sequence[Fault] = (), prompt_text: str | None = None,

@@ -11,7 +11,18 @@ from qladder.model import ModelInfo, inspect_model
 
 RUNGS = ("int4", "w4a16", "fp32", "bf16")
 
-__all__ = ["RUNGS", "Engine", "Session", "check_handoff", "load_engine", "tokenizer_fingerprint"]
+__all__ = ["RUNGS", "Engine", "Session", "check_handoff", "instrument", "load_engine", "tokenizer_fingerprint"]
+
+
+def instrument(engine: Engine, activations: bool, row_stats: bool) -> None:
+    """Switch an engine's guard instruments: activation monitors, and row statistics computed with
+    the logits copy. Engines are shared, so each request (or a naive loop) sets what it needs."""
+    monitor = getattr(engine, "monitor_activations", None)
+    if monitor is not None:
+        monitor(activations)
+    stats = getattr(engine, "guard_row_stats", None)
+    if stats is not None:
+        stats(row_stats)
 
 
 def load_engine(

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from qladder.engines import instrument
 from qladder.engines.base import Engine
 from qladder.faults import Fault, engine_faults
 from qladder.health.guard import GUARD_PRESETS, GuardConfig, StepGuard
@@ -162,10 +163,8 @@ LEVELS: dict[str, LadderConfig | None] = {  # None: the naive greedy loop, no la
 
 
 def naive_steps(engine: Engine, ids: Sequence[int], n: int) -> list[float]:
-    """Greedy decoding of exactly n tokens with the monitor off; the ms between accepted tokens."""
-    monitor = getattr(engine, "monitor_activations", None)
-    if monitor is not None:
-        monitor(False)
+    """Greedy decoding of exactly n tokens with no guard instruments; the ms between accepted tokens."""
+    instrument(engine, activations=False, row_stats=False)
     s = engine.open(list(ids))
     steps: list[float] = []
     try:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from qladder.engines import instrument
 from qladder.engines.base import Engine
 from qladder.errors import EngineError, InputError
 from qladder.faults import Fault, FaultySession, engine_faults
@@ -125,9 +126,7 @@ class Bare:
 
     def run(self, p: Prompt, population: str, fault_name: str, faults: Sequence[Fault],
             params: SamplingParams) -> Outcome:
-        monitor = getattr(self.engine, "monitor_activations", None)
-        if monitor is not None:  # a naive server runs no monitor (a ladder may have left it on)
-            monitor(False)
+        instrument(self.engine, activations=False, row_stats=False)  # a naive server runs no guard
         o = Outcome("bare", p.id, p.cls, population, fault_name, "ok")
         t0 = time.perf_counter()
         try:

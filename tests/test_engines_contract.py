@@ -10,7 +10,7 @@ import torch
 from qladder.engines.base import Engine, Session, check_handoff
 from qladder.engines.scripted import ScriptedEngine
 from qladder.errors import EngineError, InputError, TokenizerMismatchError
-from qladder.model import encode_segments, render_chat
+from qladder.model import encode_segments, render_chat, user_prompt_ids
 
 from .conftest import get_engine
 
@@ -29,8 +29,7 @@ def _prompt(engine: Engine) -> list[int]:
         return engine.tokenize("hello world of tokens", False)
     from qladder.model import inspect_model
 
-    segs = render_chat(inspect_model().chat_template, [{"role": "user", "content": "Name three colors."}])
-    return encode_segments(segs, engine.tokenize)
+    return user_prompt_ids(inspect_model().chat_template, "Name three colors.", engine.tokenize)
 
 
 def _greedy(session: Session, n: int) -> tuple[list[int], list[torch.Tensor]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from qladder.ladder import Ladder
-from qladder.model import encode_segments, render_chat
+from qladder.model import user_prompt_ids
 from qladder.sampling import SamplingParams
 from qladder.types import FinishReason
 
@@ -20,8 +20,7 @@ EXPECTED_TEXT = ("The waves of the sea, a silent beauty,\nA gentle lapping of th
 
 def test_fp32_greedy_answer_is_the_recorded_one(model_info):
     fp32 = get_engine("fp32")
-    ids = encode_segments(render_chat(model_info.chat_template, [{"role": "user", "content": PROMPT}]),
-                          fp32.tokenize)
+    ids = user_prompt_ids(model_info.chat_template, PROMPT, fp32.tokenize)
     r = Ladder([fp32]).generate(ids, SamplingParams(max_tokens=48))
     assert r.token_ids == EXPECTED_IDS
     assert r.text == EXPECTED_TEXT
@@ -30,8 +29,8 @@ def test_fp32_greedy_answer_is_the_recorded_one(model_info):
 
 def test_int4_answers_the_capital_question(model_info):
     int4 = get_engine("int4")
-    ids = encode_segments(render_chat(model_info.chat_template, [
-        {"role": "user", "content": "What is the capital of France? Answer in one sentence."}]), int4.tokenize)
+    ids = user_prompt_ids(model_info.chat_template, "What is the capital of France? Answer in one sentence.",
+                          int4.tokenize)
     r = Ladder([int4]).generate(ids, SamplingParams(max_tokens=40))
     assert r.text == "The capital of France is Paris."
     assert r.finish_reason == FinishReason.STOP

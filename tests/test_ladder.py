@@ -12,7 +12,7 @@ from qladder.faults import parse_fault
 from qladder.health.guard import GUARD_PRESETS, StepGuard
 from qladder.incidents import IncidentStore
 from qladder.ladder import Ladder, LadderConfig
-from qladder.model import encode_segments, render_chat
+from qladder.model import user_prompt_ids
 from qladder.policy import LadderPolicy
 from qladder.sampling import SamplingParams
 from qladder.types import FALLBACK_TEXT, FinishReason
@@ -42,8 +42,7 @@ def test_write_up_example_without_backup_gives_the_safe_fallback():
 def _chat(engine, text="Write one sentence about the sea."):
     from qladder.model import inspect_model
 
-    return encode_segments(render_chat(inspect_model().chat_template, [{"role": "user", "content": text}]),
-                           engine.tokenize)
+    return user_prompt_ids(inspect_model().chat_template, text, engine.tokenize)
 
 
 def _greedy_from(engine, ids, n, eos):

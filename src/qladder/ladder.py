@@ -197,7 +197,8 @@ class _Run:
 
     def step(self) -> tuple[torch.Tensor | None, Hazard | None]:
         """The current rung's row and the guard's verdict on it."""
-        name = self.L.engines[self.rung].name
+        engine = self.L.engines[self.rung]
+        name = engine.name
         step = len(self.accepted)
         if self.pending is not None:
             hazard, self.pending = self.pending, None
@@ -212,7 +213,6 @@ class _Run:
         if took > self.L.config.guard.step_deadline_s:
             return row, Hazard("deadline", name, step, took, self.L.config.guard.step_deadline_s,
                                detail=f"step took {took * 1e3:.0f} ms")
-        engine = self.L.engines[self.rung]
         peaks = getattr(engine, "activation_peaks", None) if self.monitored else None
         rest = getattr(engine, "activation_rest_peaks", None) if self.monitored else None
         limit = getattr(engine, "activation_limit", None)

@@ -182,3 +182,8 @@ def encode_segments(segments: Sequence[Segment], tokenize: Callable[[str, bool],
     for seg in segments:
         ids.extend(tokenize(seg.text, seg.special))
     return ids
+
+
+def user_prompt_ids(chat_template: str, text: str, tokenize: Callable[[str, bool], list[int]]) -> list[int]:
+    """Token ids of one user message rendered through the chat template (no sanitizing)."""
+    return encode_segments(render_chat(chat_template, [{"role": "user", "content": text}]), tokenize)

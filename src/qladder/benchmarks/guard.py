@@ -28,7 +28,7 @@ from qladder.engines.base import Engine
 from qladder.faults import parse_fault
 from qladder.health.guard import GUARD_PRESETS
 from qladder.ladder import Ladder, LadderConfig
-from qladder.model import encode_segments, inspect_model, render_chat
+from qladder.model import inspect_model, user_prompt_ids
 from qladder.sampling import SamplingParams
 
 PROMPTS = [
@@ -52,8 +52,7 @@ def _step_times(bare_int4: Engine, int4: Engine, steps: int, chunk: int) -> dict
     samples: dict[str, list[float]] = {name: [] for name in ladders}
     hazards = dict.fromkeys(ladders, 0)
     params = SamplingParams(max_tokens=chunk, ignore_eos=True)
-    ids = [encode_segments(render_chat(info.chat_template, [{"role": "user", "content": p}]), int4.tokenize)
-           for p in PROMPTS]
+    ids = [user_prompt_ids(info.chat_template, p, int4.tokenize) for p in PROMPTS]
     for ladder in ladders.values():  # warm-up
         ladder.generate(ids[0], params)
     i = 0

@@ -26,7 +26,7 @@ from qladder.engines import instrument
 from qladder.engines.base import Engine
 from qladder.errors import EngineError, InputError
 from qladder.faults import Fault, FaultySession, engine_faults
-from qladder.model import ModelInfo, encode_segments, render_chat
+from qladder.model import ModelInfo, user_prompt_ids
 from qladder.sampling import SamplingParams
 from qladder.service import Qladder
 from qladder.types import FALLBACK_TEXT
@@ -79,11 +79,6 @@ class Outcome:
         return d
 
 
-def chat_ids(info: ModelInfo, engine: Engine, text: str) -> list[int]:
-    return encode_segments(render_chat(info.chat_template, [{"role": "user", "content": text}]),
-                           engine.tokenize)
-
-
 def greedy(engine: Engine, ids: Sequence[int], max_tokens: int, faults: Sequence[Fault] = (),
            timings: dict[str, float] | None = None) -> list[int]:
     """Naive greedy decoding of every row as it comes. Raises EngineError from the engine.
@@ -122,7 +117,7 @@ class Bare:
 
     def encode(self, prompt: str | bytes) -> list[int]:
         text = prompt.decode("utf-8", "replace") if isinstance(prompt, bytes) else prompt
-        return chat_ids(self.info, self.engine, text)
+        return user_prompt_ids(self.info.chat_template, text, self.engine.tokenize)
 
     def run(self, p: Prompt, population: str, fault_name: str, faults: Sequence[Fault],
             params: SamplingParams) -> Outcome:

@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qladder.model import user_prompt_ids
 from qladder.validate import queueing
 from qladder.validate.boundaries import LEVELS
 from qladder.validate.corpora import Prompt, load_corpora, subset
 from qladder.validate.environment import load_average, peak_rss_mb, rss_mb, snapshot
 from qladder.validate.fault_models import FaultModel, assign, by_name
-from qladder.validate.replay import Bare, Guarded, Outcome, agreement, chat_ids, greedy
+from qladder.validate.replay import Bare, Guarded, Outcome, agreement, greedy
 from qladder.validate.stats import mean, paired_ratio, section
 
 QUICK_ABNORMAL = {"long_math": 2, "code_block": 2, "control_bytes": 2, "unicode_zero_width_bidi_homoglyph": 2,
@@ -163,7 +164,7 @@ def load_engines(run: Run, progress: Progress) -> None:
         t = time.perf_counter()
         engine = run.engines[rung] = load_engine(rung, run.engines["info"], settings)
         run.times[f"load_{rung}_s"] = time.perf_counter() - t
-        probe = probe or chat_ids(run.engines["info"], engine, "Say hello.")
+        probe = probe or user_prompt_ids(run.engines["info"].chat_template, "Say hello.", engine.tokenize)
         greedy(engine, probe, 2)  # touch the weights (mmap, lazy allocation) before reading RSS
         run.memory[f"after_{rung}"] = rss_mb()
         progress.tick()
@@ -275,15 +276,15 @@ def boundaries(run: Run, progress: Progress) -> dict[str, Any]:
 
     c, e = run.cfg, run.engines
     progress.phase("precision sweep")
-    prompts = [(f"sweep-{i}", chat_ids(e["info"], e["int4"], t))
+    prompts = [(f"sweep-{i}", user_prompt_ids(e["info"].chat_template, t, e["int4"].tokenize))
                for i, t in enumerate(SWEEP_PROMPTS[: c.sweep_prompts])]
     rungs = {r: e[r] for r in ("int4", "w4a16", "fp32")}
     t = time.perf_counter()
     precision = precision_sweep(rungs, prompts, c.sweep_xs, c.sweep_tokens, progress.tick)
     run.times["precision_s"] = time.perf_counter() - t
     progress.phase("latency levels")
-    level_ids = [chat_ids(e["info"], e["int4"], p.prompt) for p in run.normal[: c.level_prompts]
-                 if isinstance(p.prompt, str)]
+    level_ids = [user_prompt_ids(e["info"].chat_template, p.prompt, e["int4"].tokenize)
+                 for p in run.normal[: c.level_prompts] if isinstance(p.prompt, str)]
     t = time.perf_counter()
     latency = latency_levels(e["int4"], e["fp32"], level_ids, c.level_rounds, c.level_tokens, progress.tick)
     latency["fp32_activation_monitors"] = monitor_cost(e["fp32"], level_ids[:2], c.monitor_rounds,

@@ -162,12 +162,46 @@ def test_bad_fault_specs_are_config_errors(spec):
 
 
 def test_outlier_away_from_the_first_position_is_caught_with_headroom_left():
+    ceiling_only = GuardConfig(outlier_layer_limits=None)
     peaks = torch.tensor([25_000.0] * 30)  # the first position's massive activation: normal
     rest = torch.tensor([900.0] * 12 + [12_000.0] + [900.0] * 17)
-    h = StepGuard().check(_normal_row(), [], "int4", peaks, 65504.0, rest)
+    h = StepGuard(ceiling_only).check(_normal_row(), [], "int4", peaks, 65504.0, rest)
     assert h is not None and (h.check, h.layer, h.value) == ("outlier", 12, 12_000.0)
     assert h.threshold == GuardConfig().outlier_limit
     calm = torch.tensor([1_500.0] * 30)
-    assert StepGuard().check(_normal_row(), [], "int4", peaks, 65504.0, calm) is None
+    assert StepGuard(ceiling_only).check(_normal_row(), [], "int4", peaks, 65504.0, calm) is None
     # The headroom check comes first; without an outlier bound the rest is not checked.
-    assert StepGuard(GuardConfig(outlier_limit=None)).check(_normal_row(), [], "int4", peaks, 65504.0, rest) is None
+    off = GuardConfig(outlier_limit=None, outlier_layer_limits=None)
+    assert StepGuard(off).check(_normal_row(), [], "int4", peaks, 65504.0, rest) is None
+
+
+def test_per_layer_outlier_bounds_catch_a_quiet_layer_under_the_ceiling():
+    limits = (100.0, 400.0, 3000.0, 300.0)  # the third is capped by the 2,000 ceiling
+    cfg = GuardConfig(outlier_limit=2000.0, outlier_layer_limits=limits)
+    peaks = torch.tensor([25_000.0] * 4)
+    # 600 in layer 3 is far under the ceiling, but twice what that layer carries on clean traffic.
+    h = StepGuard(cfg).check(_normal_row(), [], "int4", peaks, 65504.0, torch.tensor([50.0, 300.0, 1500.0, 600.0]))
+    assert h is not None and (h.check, h.layer, h.value, h.threshold) == ("outlier", 3, 600.0, 300.0)
+    h = StepGuard(cfg).check(_normal_row(), [], "int4", peaks, 65504.0, torch.tensor([50.0, 300.0, 2500.0, 60.0]))
+    assert h is not None and (h.layer, h.threshold) == (2, 2000.0)
+    assert StepGuard(cfg).check(_normal_row(), [], "int4", peaks, 65504.0,
+                                torch.tensor([90.0, 390.0, 1900.0, 290.0])) is None
+    # Limits calibrated for another depth are not applied: the ceiling alone decides.
+    six = torch.tensor([600.0] * 6)
+    assert StepGuard(cfg).check(_normal_row(), [], "int4", torch.tensor([25_000.0] * 6), 65504.0, six) is None
+    assert StepGuard(cfg).outlier_bounds(6) == 2000.0
+
+
+@pytest.mark.parametrize("values,limit", [
+    ([1.0, 5.0, 3.0], 4.0), ([1.0, 2.0, 3.0], 4.0), ([1.0, float("nan"), 9.0], 4.0),
+    ([50.0, 300.0, 600.0], [100.0, 400.0, 300.0]), ([50.0, 300.0, 200.0], [100.0, 400.0, 300.0])])
+def test_host_and_tensor_first_over_agree(values, limit):
+    """CPU peaks are compared in Python, device peaks with tensor ops: the same verdict."""
+    from qladder.health.guard import _first_over, _first_over_host
+
+    t_limit = torch.tensor(limit) if isinstance(limit, list) else limit
+    dev = [float(v) for v in torch.stack(_first_over(torch.tensor(values), t_limit)).tolist()]
+    host = _first_over_host(values, limit)
+    assert dev[0] == host[0]
+    if host[0]:
+        assert dev[1:] == pytest.approx(host[1:], nan_ok=True)

@@ -9,7 +9,6 @@ margin each keeps), which checks fired, and the share of clean requests that cli
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import Counter
@@ -30,6 +29,7 @@ from qladder.service import Qladder
 from qladder.types import FinishReason, Hazard
 
 CORPORA = Path(__file__).resolve().parents[3] / "corpora"
+OUTLIER_MARGIN = 3.0  # per-layer outlier bound = 3 x the clean per-layer maximum
 
 
 class RecordingGuard(StepGuard):
@@ -41,11 +41,13 @@ class RecordingGuard(StepGuard):
         self.abs_max: list[float] = []
         self.act_fraction: list[float] = []
         self.rest_peak: list[float] = []
+        self.rest_by_layer: torch.Tensor | None = None  # per-layer max over every monitored step
 
     def check(self, row: torch.Tensor, generated: Sequence[int], rung: str,
               activation_peaks: torch.Tensor | None = None,
               activation_limit: float | None = None,
-              rest_peaks: torch.Tensor | None = None) -> Hazard | None:
+              rest_peaks: torch.Tensor | None = None,
+              row_stats: tuple[float, float, float] | None = None) -> Hazard | None:
         hi, lo, total = float(row.amax()), float(row.amin()), float(row.sum())
         if math.isfinite(total):
             self.gaps.append(hi - total / row.numel())
@@ -54,16 +56,31 @@ class RecordingGuard(StepGuard):
             self.act_fraction.append(float(activation_peaks.max()) / activation_limit)
         if rest_peaks is not None:
             self.rest_peak.append(float(rest_peaks.max()))
-        return super().check(row, generated, rung, activation_peaks, activation_limit, rest_peaks)
+            r = rest_peaks.detach().to(torch.float32).clone()
+            self.rest_by_layer = r if self.rest_by_layer is None else torch.maximum(self.rest_by_layer, r)
+        return super().check(row, generated, rung, activation_peaks, activation_limit, rest_peaks, row_stats)
 
 
-def load_prompts(path: Path = CORPORA / "normal.jsonl", limit: int | None = None) -> list[str]:
-    with open(path, encoding="utf-8") as f:
-        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+def load_prompts(path: Path = CORPORA / "normal.jsonl", limit: int | None = None) -> list[str | bytes]:
+    """The prompts as a client sends them (raw bytes where the corpus holds bytes)."""
+    from qladder.validate.corpora import read_jsonl
+
+    prompts = [p.prompt for p in read_jsonl(path)]
     return prompts[:limit] if limit else prompts
 
 
-def _replay(q: Qladder, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+def layer_limits(per_layer_max: Sequence[float], margin: float = OUTLIER_MARGIN,
+                 ceiling: float | None = None) -> tuple[float, ...]:
+    """Per-layer outlier bounds from clean per-layer maxima: margin x max, rounded up to a multiple
+    of 10, capped by the global bound."""
+    out = []
+    for m in per_layer_max:
+        v = math.ceil(margin * m / 10.0) * 10.0
+        out.append(min(v, ceiling) if ceiling is not None else v)
+    return tuple(out)
+
+
+def _replay(q: Qladder, prompts: Sequence[str | bytes], max_tokens: int) -> dict[str, Any]:
     climbed, finishes, checks = 0, Counter[str](), Counter[str]()
     for p in prompts:
         r = q.answer(p, SamplingParams(max_tokens=max_tokens)).result
@@ -94,6 +111,7 @@ def run_calibration(limit: int | None = None, max_tokens: int = 48) -> dict[str,
         fp32.close()
     min_gap, max_abs = min(guard.gaps), max(guard.abs_max)
     max_frac, max_rest = max(guard.act_fraction, default=math.nan), max(guard.rest_peak, default=math.nan)
+    by_layer = [round(v, 1) for v in guard.rest_by_layer.tolist()] if guard.rest_by_layer is not None else []
     return {
         "benchmark": "calibrate", "max_tokens": max_tokens, "wall_s": time.perf_counter() - t0,
         "normal": normal, "abnormal_unfaulted": abnormal,
@@ -107,7 +125,13 @@ def run_calibration(limit: int | None = None, max_tokens: int = 48) -> dict[str,
                        "margin": preset.activation_fraction / max_frac},
         "outlier": {"threshold": preset.outlier_limit, "max_rest_peak": max_rest,
                     "p999_rest_peak": percentile(guard.rest_peak, 99.9),
-                    "margin": (preset.outlier_limit or math.nan) / max_rest},
+                    "margin": (preset.outlier_limit or math.nan) / max_rest,
+                    "per_layer_max": by_layer,
+                    "per_layer_limits_in_use": list(preset.outlier_layer_limits or ()),
+                    "suggested_per_layer_limits": list(layer_limits(by_layer, OUTLIER_MARGIN,
+                                                                     preset.outlier_limit)),
+                    "per_layer_margin": [lim / m if m else None for lim, m in
+                                         zip(preset.outlier_layer_limits or (), by_layer, strict=False)]},
         "note": "statistics over every step of both populations; rungs int4 -> fp32, default guard",
         "env": environment(settings.n_threads),
     }

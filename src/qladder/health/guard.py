@@ -14,9 +14,10 @@ per-layer activation peaks:
 - magnitude: |logit| beyond an absurd bound.
 - activation: the largest per-layer |hidden| over the compute dtype's maximum times a fraction
   (fp16: 65,504), so the ladder leaves before an overflow becomes inf.
-- outlier: the largest per-layer |hidden| away from the sequence's first position (where the
-  model's massive activation, an attention sink, is normal) over a bound calibrated on clean
-  traffic: a prompt-triggered outlier, caught while fp16 still has headroom.
+- outlier: per-layer |hidden| away from the sequence's first position (where the model's massive
+  activation, an attention sink, is normal) over that layer's bound, calibrated on clean traffic
+  (3x its clean max, capped at 2,000): a prompt-triggered outlier, caught while fp16 still has
+  headroom, even in a layer that normally stays near 100.
 - repetition: see `repetition.py`.
 
 Thresholds are calibrated on clean traffic (`qladder calibrate`) and kept as named presets.
@@ -32,6 +33,10 @@ import torch
 
 from qladder.health.repetition import find_repetition
 from qladder.types import Hazard
+
+SMOLLM2_OUTLIER_LIMITS = (120.0, 650.0, 2000.0, 2000.0, 2000.0, 2000.0, 2000.0, 2000.0, 2000.0, 1310.0,
+                          410.0, 390.0, 380.0, 420.0, 450.0, 400.0, 450.0, 410.0, 470.0, 530.0,
+                          630.0, 660.0, 750.0, 910.0, 1170.0, 1300.0, 1390.0, 1760.0, 2000.0, 2000.0)
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,13 @@ class GuardConfig:
     # |hidden| near ~1,000-2,000 on SmolLM2; an outlier past this calibrated bound is a hazard even
     # with fp16 headroom left (an outlier there is where an overflow starts). None: off.
     outlier_limit: float | None = 2000.0  # clean max 1,077 over 329 prompts (bench calibrate)
+    # Per-layer bounds under that ceiling, for a model with this many layers (others use the
+    # ceiling alone): clean traffic peaks at very different heights per layer (SmolLM2: ~40 after
+    # layer 0, ~850 in layers 2-8, ~110 in layers 10-12), so one bound misses an outlier of a few
+    # hundred where the layer normally stays near 100 (a glitch token's scaled embedding).
+    # 3 x each layer's clean max over the 329 corpus prompts (prefill and every 32nd decode step,
+    # `qladder bench calibrate`: max 37.5 after layer 0, 906 in layers 2-8, 125-155 in 10-18).
+    outlier_layer_limits: tuple[float, ...] | None = SMOLLM2_OUTLIER_LIMITS
     repetition_min_period: int = 1
     repetition_max_period: int = 64
     repetition_min_repeats: int = 8
@@ -72,6 +84,22 @@ class StepGuard:
 
     def __init__(self, config: GuardConfig = GUARD_PRESETS["default"]):
         self.config = config
+        self._outlier_bounds: dict[int, torch.Tensor | float] = {}
+
+    def outlier_bounds(self, n_layer: int) -> torch.Tensor | float:
+        """The outlier bound of each of n_layer layers: the per-layer limits (capped by the
+        ceiling) when they were calibrated for this many layers, else the ceiling alone."""
+        if n_layer not in self._outlier_bounds:
+            c = self.config
+            ceiling = c.outlier_limit if c.outlier_limit is not None else math.inf
+            per = c.outlier_layer_limits
+            self._outlier_bounds[n_layer] = (torch.tensor([min(v, ceiling) for v in per], dtype=torch.float32)
+                                             if per is not None and len(per) == n_layer else ceiling)
+        return self._outlier_bounds[n_layer]
+
+    def outlier_bounds_list(self, n_layer: int) -> list[float]:
+        b = self.outlier_bounds(n_layer)
+        return b.tolist() if isinstance(b, torch.Tensor) else [b] * n_layer
 
     def check(
         self,
@@ -90,33 +118,47 @@ class StepGuard:
         c = self.config
         step = len(generated)
         use_act = c.check_activations and activation_peaks is not None and activation_limit is not None
-        use_rest = use_act and rest_peaks is not None and c.outlier_limit is not None
+        use_rest = use_act and rest_peaks is not None and (c.outlier_limit is not None
+                                                           or c.outlier_layer_limits is not None)
         reduce_row = c.check_logits and row_stats is None
-        if reduce_row or use_act:
-            parts = [row.sum(), row.amax(), row.amin()] if reduce_row else []
-            if use_act:
-                assert activation_peaks is not None and activation_limit is not None
-                limit = c.activation_fraction * activation_limit
-                parts += _first_over(activation_peaks, limit)
+        limit = c.activation_fraction * activation_limit if use_act and activation_limit is not None else 0.0
+        # Peaks that live on the host (llama.cpp's C monitor, CPU hooks) are compared in Python: a
+        # few dozen floats, where torch ops right after a llama.cpp decode cost ~150 us each.
+        host = use_act and activation_peaks is not None and activation_peaks.device.type == "cpu"
+        act: list[float] | None = None  # [hit, layer, peak, bound]
+        rest: list[float] | None = None
+        if host:
+            assert activation_peaks is not None
+            act = _first_over_host(activation_peaks.tolist(), limit)
             if use_rest:
-                assert rest_peaks is not None and c.outlier_limit is not None
-                parts += _first_over(rest_peaks, c.outlier_limit)
+                assert rest_peaks is not None
+                n = int(rest_peaks.numel())
+                rest = _first_over_host(rest_peaks.tolist(), self.outlier_bounds_list(n))
+        if reduce_row or (use_act and not host):
+            parts = [row.sum(), row.amax(), row.amin()] if reduce_row else []
+            if use_act and not host:
+                assert activation_peaks is not None
+                parts += _first_over(activation_peaks, limit)
+                if use_rest:
+                    assert rest_peaks is not None
+                    parts += _first_over(rest_peaks, self.outlier_bounds(int(rest_peaks.numel())))
             values = torch.stack(parts).tolist()  # the step's single host sync
             if reduce_row:
                 row_stats = (values[0], values[1], values[2])
-            if use_act:
+            if use_act and not host:
                 base = 3 if reduce_row else 0
-                hit, layer, peak = values[base : base + 3]
-                if hit:
-                    return Hazard("activation", rung, step, peak, limit, int(layer),
-                                  f"max |hidden| {peak:.6g} at layer {int(layer)} over "
-                                  f"{c.activation_fraction:.0%} of {activation_limit:.6g}")
-                if use_rest:
-                    hit, layer, peak = values[base + 3 : base + 6]
-                    if hit:
-                        return Hazard("outlier", rung, step, peak, c.outlier_limit, int(layer),
-                                      f"|hidden| {peak:.6g} at layer {int(layer)} away from the first "
-                                      f"position, over the calibrated {c.outlier_limit:.6g}")
+                act = values[base : base + 4]
+                rest = values[base + 4 : base + 8] if use_rest else None
+        if act is not None and act[0]:
+            _, layer, peak, _ = act
+            return Hazard("activation", rung, step, peak, limit, int(layer),
+                          f"max |hidden| {peak:.6g} at layer {int(layer)} over "
+                          f"{c.activation_fraction:.0%} of {activation_limit:.6g}")
+        if rest is not None and rest[0]:
+            _, layer, peak, bound = rest
+            return Hazard("outlier", rung, step, peak, bound, int(layer),
+                          f"|hidden| {peak:.6g} at layer {int(layer)} away from the first "
+                          f"position, over its calibrated bound {bound:.6g}")
         if c.check_logits:
             assert row_stats is not None
             hazard = self._check_row(*row_stats, row.numel(), rung, step)
@@ -144,8 +186,24 @@ class StepGuard:
         return None
 
 
-def _first_over(values: torch.Tensor, limit: float) -> list[torch.Tensor]:
-    """[any over, index of the first over, its value] as float32 scalars; NaN counts as over."""
+def _first_over_host(values: Sequence[float], limit: Sequence[float] | float) -> list[float]:
+    """`_first_over` on host floats: [hit, layer, value, bound] of the first layer over its bound
+    (NaN counts as over), or [0, 0, max, bound] when none is."""
+    bounds = [limit] * len(values) if isinstance(limit, (int, float)) else list(limit)
+    for i, (v, b) in enumerate(zip(values, bounds, strict=True)):
+        if not v <= b:
+            return [1.0, float(i), v, b]
+    return [0.0, 0.0, max(values, default=0.0), bounds[0] if bounds else 0.0]
+
+
+def _first_over(values: torch.Tensor, limit: torch.Tensor | float) -> list[torch.Tensor]:
+    """[any over, index of the first over, its value] as float32 scalars, plus that layer's bound
+    when `limit` is per layer; NaN counts as over."""
     over = ~(values <= limit)  # (L,)
     first = over.to(torch.uint8).argmax()
-    return [over.any().to(torch.float32), first.to(torch.float32), values[first]]
+    out = [over.any().to(torch.float32), first.to(torch.float32), values[first].to(torch.float32)]
+    if isinstance(limit, torch.Tensor):
+        out.append(limit[first])
+    else:
+        out.append(torch.tensor(limit, dtype=torch.float32))
+    return out

@@ -271,3 +271,41 @@ def test_corrupted_quantization_scale_in_a_gguf_copy_is_caught(tmp_path):
         assert set(r.token_rungs) == {"fp32"} and "Paris" in r.text
     finally:
         bad.close()
+
+
+def test_glitch_token_embeddings_in_an_untied_gguf_copy(tmp_path):
+    """Byte-fallback tokens with input embeddings x1000 (output untied, so logits are untouched):
+    an emoji prompt becomes garbage bare; the per-layer outlier bounds see it at prefill and fp32
+    answers. At x=1 the untied copy decodes exactly as the original."""
+    from qladder.config import Settings
+    from qladder.engines import load_engine
+    from qladder.faults import byte_fallback_tokens, glitch_gguf
+    from qladder.model import bundled_model_path, inspect_model
+
+    int4, fp32 = get_engine("int4"), get_engine("fp32")
+    pieces = fp32.tokenizer.convert_ids_to_tokens(list(range(fp32.n_vocab)))
+    glitch = set(byte_fallback_tokens(pieces))
+    assert len(glitch) == 137 and int4.tokenize("\u00e9", False)[0] not in glitch
+    prompt = _chat(int4, "Describe \U0001f469\u200d\U0001f469\u200d\U0001f467\u200d\U0001f466 and "
+                         "\U0001f3f3\ufe0f\u200d\U0001f308 in one sentence.")
+    assert glitch & set(prompt)
+    params = SamplingParams(max_tokens=12)
+    off = LadderConfig(guard=GUARD_PRESETS["off"])
+    clean = Ladder([int4], off).generate(prompt, params)
+    for x in (1.0, 1000.0):
+        dst = tmp_path / f"glitch-{x:g}.gguf"
+        change = glitch_gguf(bundled_model_path(), dst, x=x)
+        assert change["tokens"] == 137
+        engine = load_engine("int4", inspect_model(dst, tmp_path), Settings.from_env())
+        try:
+            bare = Ladder([engine], off).generate(prompt, params)
+            if x == 1.0:
+                assert bare.token_ids == clean.token_ids
+                continue
+            assert bare.token_ids != clean.token_ids
+            r = Ladder([engine, fp32]).generate(prompt, params)
+            assert [(h.check, h.step) for h in r.hazards] == [("outlier", 0)]
+            assert set(r.token_rungs) == {"fp32"}
+            assert Ladder([engine, fp32]).generate(_chat(engine, "Name three colors."), params).hazards == []
+        finally:
+            engine.close()

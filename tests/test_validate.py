@@ -76,6 +76,15 @@ def test_assign_round_robin_skips_indices():
     assert assign(2, models, 1, skip=[0, 1]) == []
 
 
+def test_assign_restricted_model_alternates_its_classes():
+    glitch = by_name(["glitch_tokens"])[0]
+    classes = ["long_math", "emoji_zwj", "emoji_zwj", "control_bytes", "control_bytes", "over_long"]
+    pairs = assign(len(classes), [glitch, *by_name(["nan_logits"])], 3, skip=[5], classes=classes)
+    assert [(a.prompt_index, a.model.name) for a in pairs[:3]] == [
+        (1, "glitch_tokens"), (3, "glitch_tokens"), (2, "glitch_tokens")]
+    assert [a.prompt_index for a in pairs[3:]] == [0, 1, 2]  # unrestricted: round-robin as before
+
+
 # -- garbage judge --------------------------------------------------------------------------------------
 
 
@@ -127,6 +136,32 @@ def test_judge_on_scripted_engine_output():
     assert faulted[2:] == [0, 0, 0, 0]
 
 
+def test_judge_implausible_by_reference_likelihood():
+    assert "implausible" in judge(" the] is 3 the  the]", [1, 2, 3], nll=6.9).reasons
+    assert judge("The capital of France is Paris.", [1, 2, 3], nll=0.4).reasons == ()
+    assert judge("The capital of France is Paris.", [1, 2, 3]).reasons == ()  # not scored: symptoms only
+    o = Outcome("bare", "p", "c", "abnormal", "corrupted_scale", "ok", text="x y z", token_ids=[5, 6, 7],
+                finish_reason="length", nll=7.5)
+    o.judge()
+    assert o.garbage == ["implausible"] and o.is_garbage
+
+
+def test_fp32_scores_its_own_greedy_answer_as_plausible_and_noise_as_not():
+    from qladder.validate.garbage import IMPLAUSIBLE_NLL, mean_nll
+
+    fp32 = get_engine("fp32")
+    from qladder.model import inspect_model, user_prompt_ids
+
+    ids = user_prompt_ids(inspect_model().chat_template, "What is the capital of France?", fp32.tokenize)
+    answer = greedy(fp32, ids, 8)
+    lp = fp32.score(ids, answer)
+    assert len(lp) == len(answer) and all(x <= 0 for x in lp)
+    assert mean_nll(lp) < 1.0
+    noise = fp32.tokenize(" the] is 3 the  the] ,,; zebra", False)
+    assert mean_nll(fp32.score(ids, noise)) > IMPLAUSIBLE_NLL
+    assert fp32.score(ids, []) == []
+
+
 def test_outcome_judgement_skips_errors_and_fallbacks():
     o = Outcome("bare", "p", "c", "abnormal", "nan", "error", text="")
     o.judge(False)
@@ -158,6 +193,40 @@ def test_standby_model_saturation():
     assert wq == pytest.approx(0.5, rel=1e-6)
 
 
+def test_fcfs_waits_exact():
+    # one server: job 2 arrives at 1 while job 1 runs until 2; job 3 finds the server free
+    assert queueing.fcfs_waits(1, [0.0, 1.0, 5.0], [2.0, 1.0, 1.0]) == [0.0, 1.0, 0.0]
+    assert queueing.fcfs_waits(2, [0.0, 0.0, 0.0], [3.0, 1.0, 1.0]) == [0.0, 0.0, 1.0]
+
+
+def test_finite_run_waits_start_empty_and_stay_under_the_steady_state():
+    light = queueing.finite_run_waits(1, 0.01, [1.0], n=20, reps=200, seed=3)
+    assert max(light) < 0.2
+    short = queueing.finite_run_waits(1, 0.8, [1.0], n=10, reps=2000, seed=3)
+    steady = queueing.simulate(1, 0.8, [1.0], n=100_000, seed=3)  # M/D/1: 0.8 / (2 * 0.2) = 2.0
+    assert steady == pytest.approx(2.0, rel=0.1)
+    assert 0 < sum(short) / len(short) < steady
+
+
+def test_standby_replay_runs_every_job_fcfs_on_a_real_engine():
+    from qladder.validate.standby_replay import Job, confirm, replay_point
+
+    engine = ScriptedEngine(lambda ids: [float(len(ids) % 4 == i) for i in range(4)], n_vocab=4)
+    done: list[int] = []
+    jobs = [Job((1, 2, 3), 2) for _ in range(6)]
+    r = replay_point(engine, jobs, lam=50.0, servers=1, seed=0,
+                     work=lambda e, j: done.append(len(j.ids)))
+    assert len(done) == 6
+    assert all(a <= s <= e for a, s, e in zip(r["arrival"], r["start"], r["end"], strict=True))
+    assert r["start"] == sorted(r["start"]) and r["arrival"] == sorted(r["arrival"])  # one server: FCFS
+    out = confirm(engine, jobs, (0.3, 0.6), servers=1, n_jobs=5, seed=1)
+    assert [p["target_utilization"] for p in out["points"]] == [0.3, 0.6]
+    for p in out["points"]:
+        lo, hi = p["model_band_95_ms"]
+        assert p["jobs"] == 5 and 0 <= lo <= hi and isinstance(p["confirmed"], bool)
+    assert "error" in confirm(engine, [], (0.5,), servers=1, n_jobs=3, seed=0)
+
+
 def test_simulation_matches_m_d_1():
     # M/D/1: Wq = rho * s / (2 (1 - rho)) = 0.5 at rho 0.5, s 1.
     assert queueing.simulate(1, 0.5, [1.0], n=100_000, seed=1) == pytest.approx(0.5, rel=0.05)
@@ -183,6 +252,15 @@ def test_paired_ratio_and_agreement():
     guarded = [Outcome("guarded", p, "qa", "normal", "none", "ok", token_ids=[1], wall_ms=w) for p, w in
                (("a", 110.0), ("b", 220.0))]
     assert paired_ratio(bare, guarded)["paired_median"] == pytest.approx(1.1)
+    # A noisy round on one prompt moves the pooled P99, not the P99 of the prompts' medians.
+    for r, noise in ((1, 1.0), (2, 1.0), (3, 3.0)):
+        bare += [Outcome("bare", p, "qa", "normal", "none", "ok", token_ids=[1], wall_ms=w, round=r)
+                 for p, w in (("a", 100.0), ("b", 200.0 * noise))]
+        guarded += [Outcome("guarded", p, "qa", "normal", "none", "ok", token_ids=[1], wall_ms=w, round=r)
+                    for p, w in (("a", 101.0), ("b", 202.0))]
+    pr = paired_ratio(bare, guarded)
+    assert pr["p99_prompt_medians"] == pytest.approx(202.0 / 200.0) and pr["prompts"] == 2
+    assert pr["p99"] < 0.5
     assert agreement([1, 2, 3], [1, 2, 4, 5]) == (0.5, 0.5)
     assert agreement([], []) == (1.0, 1.0)
 
@@ -265,7 +343,7 @@ def test_validate_end_to_end_writes_results_and_report(tmp_path):
                          abnormal_per_class={"control_bytes": 1, "long_math": 1}, fault_names=("nan@step=1",),
                          prompts_per_fault=2, rounds=1, warmup=1, reference_prompts=2, sweep_xs=(1.0, 3.0),
                          sweep_prompts=1, sweep_tokens=2, level_prompts=1, level_rounds=1, level_tokens=3,
-                         monitor_rounds=1, monitor_tokens=2, n_ctx=512)
+                         monitor_rounds=1, monitor_tokens=2, n_ctx=512, replay_jobs=3, replay_max_tokens=2)
     r = validate(cfg, tmp_path, show_progress=False)
     for name in ("results.json", "report.md", "report.html", "outcomes.jsonl", "incidents.sqlite3"):
         assert (tmp_path / name).is_file(), name
@@ -275,5 +353,8 @@ def test_validate_end_to_end_writes_results_and_report(tmp_path):
     assert r["guarded"]["handoff"]["count"] >= 2
     assert r["precision_boundary"]["boundary"]["w4a16"]["first_nonfinite_x"] == 3.0
     assert set(r["environment"]["versions"]) >= {"torch", "transformers", "llama_cpp_python", "gguf"}
+    assert r["garbage_judge"]["scored"] >= 2 and r["garbage_judge"]["clean_flagged"] == 0
+    replayed = r["availability_boundary"]["concurrent_replay"]["points"]
+    assert len(replayed) == 2 and all(p["jobs"] == 3 for p in replayed)
     html = (tmp_path / "report.html").read_text()
     assert "<table>" in html and html.count("data:image/png;base64") == 5

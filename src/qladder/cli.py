@@ -158,7 +158,8 @@ def validate(
         "qladder-validate"),
     faults: Annotated[list[str] | None, typer.Option(
         "--faults", help="Fault model names (nan_logits, inf_logits, zero_logits, kernel_error, stall, "
-                         "massive_activation) or raw fault specs like nan@step=2 (repeatable).")] = None,
+                         "massive_activation, corrupted_scale, glitch_tokens) or raw fault specs like "
+                         "nan@step=2 (repeatable).")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Override the answer length.")] = None,
     corpus: Annotated[Path | None, typer.Option(help="Folder with normal.jsonl and abnormal.jsonl.")] = None,
     standby_share: Annotated[float, typer.Option("--standby-share", help="Standby share of capacity.")] = 0.2,

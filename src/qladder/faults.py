@@ -214,3 +214,97 @@ def corrupt_gguf_scale(src: Path, dst: Path, tensor: str = "blk.11.ffn_down.weig
         f.seek(offset)
         f.write(np.float16(new).tobytes())
     return {"tensor": tensor, "row": row, "block": block, "offset": offset, "d": d, "new_d": new}
+
+
+# -- glitch tokens: scaled input embeddings of rare byte tokens, through the real int4 kernels -----
+
+
+def _byte_pieces() -> dict[str, int]:
+    """GPT-2 byte-level BPE's printable stand-in for each byte (the public bytes-to-unicode table):
+    printable Latin-1 bytes stand for themselves, the other 68 bytes map to U+0100 onwards."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = [b for b in range(256) if b not in set(keep)]
+    return {**{chr(b): b for b in keep}, **{chr(0x100 + n): b for n, b in enumerate(extra)}}
+
+
+def byte_fallback_tokens(pieces: Sequence[str]) -> list[int]:
+    """Ids of single-byte tokens for bytes that ordinary text never produces alone: UTF-8 lead and
+    continuation bytes (>= 0x80, left over when rare Unicode such as emoji ZWJ sequences has no
+    merge) and C0 controls other than tab, newline and carriage return. These are the
+    under-trained tokens of byte-level vocabularies."""
+    table = _byte_pieces()
+    rare = {b for b in range(256) if b >= 0x80 or (b < 0x20 and b not in (9, 10, 13)) or b == 0x7F}
+    return [i for i, p in enumerate(pieces) if p in table and table[p] in rare]
+
+
+def glitch_gguf(src: Path, dst: Path, x: float = 20_000.0, tokens: Sequence[int] | None = None
+                ) -> dict[str, object]:
+    """Write a copy of a GGUF whose input embeddings of `tokens` (default: the byte-fallback tokens)
+    are multiplied by x: a prompt-triggered outlier, as under-trained tokens cause.
+
+    The model ties its output to `token_embd`, so the copy first unties them: `output.weight`
+    becomes the original embedding matrix and only the input side is scaled (llama.cpp uses
+    `output.weight` when a file has one). Each scaled row has every block's fp16 scale `d`
+    multiplied by x (Q8_0/Q4_0/Q4_1: value = d * q [+ m]; for Q4_1 the min m is scaled too).
+    Returns what was changed, with the largest |value| of a scaled row.
+    """
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(str(src))
+    by_name = {t.name: t for t in reader.tensors}
+    if "output.weight" in by_name:
+        raise ConfigError(f"{src} already has an untied output.weight; glitch_gguf expects a tied model")
+    emb = by_name.get("token_embd.weight")
+    if emb is None:
+        raise ConfigError(f"no token_embd.weight in {src}")
+    kind = emb.tensor_type.name
+    size = _BLOCK_BYTES.get(kind)
+    if size is None:
+        raise ConfigError(f"token_embd.weight is {kind}; glitch_gguf supports {sorted(_BLOCK_BYTES)}")
+    if tokens is None:
+        tokens = byte_fallback_tokens(reader.fields["tokenizer.ggml.tokens"].contents())
+    rows = np.asarray(sorted(set(tokens)), dtype=np.int64)
+    if rows.size == 0 or rows.min() < 0 or rows.max() >= emb.data.shape[0]:
+        raise ConfigError(f"glitch token ids out of range (vocabulary of {emb.data.shape[0]})")
+
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(str(dst), arch=arch)
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # header fields, and the one the writer adds itself
+        if f.types[0] == GGUFValueType.ARRAY:
+            writer.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1])
+        else:
+            writer.add_key_value(name, f.contents(), f.types[0])
+    patched = np.array(emb.data, copy=True)
+    blocks = patched.reshape(patched.shape[0], -1, size)
+    n_scales = 2 if kind == "Q4_1" else 1  # Q4_1 blocks carry d then m
+    for r in rows:
+        s = blocks[r, :, : 2 * n_scales].copy().view(np.float16)
+        blocks[r, :, : 2 * n_scales] = np.clip(s.astype(np.float32) * x, -65504, 65504).astype(
+            np.float16).view(np.uint8)
+    for t in reader.tensors:
+        data = patched if t.name == "token_embd.weight" else t.data
+        writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)  # quantized: shape in bytes
+    writer.add_tensor("output.weight", emb.data, raw_dtype=emb.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    peak = float(np.abs(_dequantize_rows(patched, kind, rows)).max())
+    return {"tensor": "token_embd.weight", "tokens": len(rows), "x": x, "max_abs_scaled": peak}
+
+
+def _dequantize_rows(data: object, kind: str, rows: object) -> object:
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return dequantize(np.asarray(data)[np.asarray(rows)], GGMLQuantizationType[kind])
+
+
+GGUF_PATCHES: dict[str, Callable[..., dict[str, object]]] = {
+    "scale": corrupt_gguf_scale,  # type: ignore[dict-item]
+    "glitch": glitch_gguf,
+}

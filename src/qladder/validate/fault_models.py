@@ -8,8 +8,9 @@ failures came on very long math, code and abnormal Unicode), assigned round-robi
 model meets several prompt classes.
 
 A model with `gguf_patch` is not a per-request fault: the replay writes a patched copy of the
-GGUF (`qladder.faults.corrupt_gguf_scale`) and serves that model's prompts, bare and guarded, from
-an int4 engine loaded on the copy. Not implemented yet: glitch-token embedding scaling.
+GGUF (`qladder.faults.GGUF_PATCHES`: a corrupted scale, or glitch-token embeddings) and serves
+that model's prompts, bare and guarded, from an int4 engine loaded on the copy. A model with
+`classes` is attached only to prompts of those classes (its trigger is in their text).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ class FaultModel:
     mechanism: str
     trigger: str = "attached to abnormal prompts, round-robin over the classes"
     quick: bool = True  # part of `--quick`
-    gguf_patch: tuple[tuple[str, str | int | float], ...] | None = None  # corrupt_gguf_scale kwargs
+    gguf_patch: tuple[tuple[str, str | int | float], ...] | None = None  # GGUF_PATCHES[patch] kwargs
+    patch: str = "scale"  # which of qladder.faults.GGUF_PATCHES writes the copy
+    classes: tuple[str, ...] | None = None  # attach only to prompts of these classes
 
     @property
     def faults(self) -> list[Fault]:
@@ -37,7 +40,8 @@ class FaultModel:
     def to_dict(self) -> dict[str, object]:
         return {"name": self.name, "specs": list(self.specs), "phenomenon": self.phenomenon,
                 "mechanism": self.mechanism, "trigger": self.trigger,
-                "gguf_patch": dict(self.gguf_patch) if self.gguf_patch else None}
+                "gguf_patch": ({"patch": self.patch, **dict(self.gguf_patch)} if self.gguf_patch else None),
+                "classes": list(self.classes) if self.classes else None}
 
 
 FAULT_MODELS: tuple[FaultModel, ...] = (
@@ -85,6 +89,22 @@ FAULT_MODELS: tuple[FaultModel, ...] = (
         "engine loaded on the copy: llama.cpp's real kernels on corrupted weights.",
         trigger="the prompts assigned to it are served by the corrupted copy",
         gguf_patch=(("tensor", "blk.11.ffn_down.weight"), ("row", 507), ("block", 0), ("x", 1000.0))),
+    FaultModel(
+        "glitch_tokens", (),
+        "Glitch tokens: rare tokens whose embeddings training barely touched (here the 137 byte "
+        "tokens for UTF-8 lead and continuation bytes and C0 controls, which only appear alone when "
+        "rare Unicode has no merge) carry abnormal norms, so a prompt containing one puts an "
+        "outlier in the residual stream from the first layer on.",
+        "A copy of the GGUF whose input embeddings of those tokens are multiplied by 1000 (max "
+        "|value| ~1,350; clean layers 10-12 stay near 110), with the output matrix untied so the "
+        "logits are unchanged (qladder.faults.glitch_gguf); llama.cpp's real kernels on the copy. "
+        "At x = 100 answers already change and no bound separates them from clean traffic; at "
+        "x = 1000 only a per-layer bound sees it (the peaks, ~600-750, stay under the global 2,000).",
+        trigger="prompts whose tokens include one: emoji ZWJ sequences (the sanitizer keeps "
+                "them), raw control bytes and zero-width/bidi text (the sanitizer removes them, "
+                "so guarded meets the fault only on emoji)",
+        gguf_patch=(("x", 1000.0),), patch="glitch",
+        classes=("emoji_zwj", "control_bytes", "unicode_zero_width_bidi_homoglyph")),
 )
 
 
@@ -115,17 +135,30 @@ class Assignment:
 
 
 def assign(n_prompts: int, models: Sequence[FaultModel], per_model: int,
-           skip: Sequence[int] = ()) -> list[Assignment]:
+           skip: Sequence[int] = (), classes: Sequence[str] | None = None) -> list[Assignment]:
     """Give each model `per_model` prompts, round-robin over the prompt list from a shifting start,
     so consecutive models meet different classes. Indices in `skip` (e.g. over-long prompts, whose
-    full-precision prefill would dominate the run) are not used."""
+    full-precision prefill would dominate the run) are not used. `classes[i]` is prompt i's class:
+    a model restricted to some classes takes their prompts, alternating between the classes."""
     pool = [i for i in range(n_prompts) if i not in set(skip)]
     if not pool:
         return []
     out = []
     cursor = 0
     for m in models:
+        if m.classes is not None and classes is not None:
+            own = _interleave([[i for i in pool if classes[i] == c] for c in m.classes])
+            out.extend(Assignment(i, m) for i in own[:per_model])
+            continue
         for _ in range(min(per_model, len(pool))):
             out.append(Assignment(pool[cursor % len(pool)], m))
             cursor += 1
+    return out
+
+
+def _interleave(groups: Sequence[Sequence[int]]) -> list[int]:
+    """First of each group, then second of each, ..."""
+    out = []
+    for k in range(max((len(g) for g in groups), default=0)):
+        out.extend(g[k] for g in groups if k < len(g))
     return out

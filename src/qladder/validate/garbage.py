@@ -11,6 +11,12 @@ An answer is garbage when it shows any of the incident's symptoms:
     token0_flood      token id 0 (`<|endoftext|>`, what argmax returns on an all-NaN or all-zero
                       row) three or more times
     empty             nothing but whitespace
+    implausible       fluent-looking nonsense (`' the] is 3 the  the]'`): the full-precision model,
+                      reading the answer after the same prompt, gives its tokens a mean negative
+                      log-likelihood over IMPLAUSIBLE_NLL nats (each token ~55x less likely than
+                      e^-1 on average). Clean answers of the int4 and fp32 rungs score 0.1-1.5;
+                      a corrupted scale's 6.9-7.6, NaN or zero rows' 10-11. Needs the score,
+                      so it is judged only where the replay computed one.
 
 The judge is stricter than the step guard on short answers on purpose (the guard's repetition
 check waits for 32 tokens); it runs after the fact and never sees the logits.
@@ -30,7 +36,8 @@ LOOP_MAX_PERIOD = 16
 LOOP_MIN_REPEATS = 6
 LOOP_MIN_SPAN = 12
 TOKEN0_FLOOD = 3
-REASONS = ("nan_text", "replacement_char", "black_squares", "loop", "token0_flood", "empty")
+IMPLAUSIBLE_NLL = 4.0  # nats per token under the fp32 reference
+REASONS = ("nan_text", "replacement_char", "black_squares", "loop", "token0_flood", "empty", "implausible")
 
 
 @dataclass(frozen=True)
@@ -43,8 +50,13 @@ class Verdict:
         return bool(self.reasons)
 
 
-def judge(text: str, token_ids: Sequence[int], truncated: bool = False) -> Verdict:
-    """`truncated`: the answer was cut by max_tokens (so one partial character may end it)."""
+def mean_nll(logprobs: Sequence[float]) -> float | None:
+    return -sum(logprobs) / len(logprobs) if logprobs else None
+
+
+def judge(text: str, token_ids: Sequence[int], truncated: bool = False, nll: float | None = None) -> Verdict:
+    """`truncated`: the answer was cut by max_tokens (so one partial character may end it);
+    `nll`: the answer's mean negative log-likelihood under the fp32 reference, when scored."""
     reasons = []
     if _NAN_RUN.search(text):
         reasons.append("nan_text")
@@ -61,4 +73,6 @@ def judge(text: str, token_ids: Sequence[int], truncated: bool = False) -> Verdi
         reasons.append("token0_flood")
     if not text.strip():
         reasons.append("empty")
+    if nll is not None and nll > IMPLAUSIBLE_NLL:
+        reasons.append("implausible")
     return Verdict(tuple(reasons), period)

@@ -129,3 +129,36 @@ def simulate(c: int, lam: float, services: Sequence[float], n: int = 20_000, see
         if i >= n // 10:
             waits.append(start - t)
     return sum(waits) / len(waits)
+
+
+def fcfs_waits(c: int, arrivals: Sequence[float], services: Sequence[float]) -> list[float]:
+    """Queueing wait of each job of a FCFS queue with c servers, given its arrival times (sorted)
+    and service times: what an ideal queue does with exactly these jobs."""
+    free = [0.0] * c
+    heapq.heapify(free)
+    waits = []
+    for t, s in zip(arrivals, services, strict=True):
+        start = max(t, heapq.heappop(free))
+        heapq.heappush(free, start + s)
+        waits.append(start - t)
+    return waits
+
+
+def finite_run_waits(c: int, lam: float, services: Sequence[float], n: int, reps: int = 2000,
+                     seed: int = 0) -> list[float]:
+    """The model's prediction for a short replay: the mean wait of n Poisson arrivals into an empty
+    M/G/c queue (service times drawn from `services`), for each of `reps` seeded repetitions. A
+    short run from empty waits less than the steady state; this is the distribution of the statistic
+    a replay of n jobs measures."""
+    if not services:
+        raise ValueError("no service times")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(reps):
+        t, arrivals = 0.0, []
+        for _ in range(n):
+            t += rng.expovariate(lam)
+            arrivals.append(t)
+        w = fcfs_waits(c, arrivals, [rng.choice(services) for _ in range(n)])
+        out.append(sum(w) / n)
+    return out

@@ -57,6 +57,7 @@ class Outcome:
     prefill_ms: float = 0.0
     garbage: list[str] = field(default_factory=list)
     round: int = 0
+    nll: float | None = None  # mean NLL of the answer under the fp32 reference, when scored
 
     @property
     def per_token_ms(self) -> float | None:
@@ -67,11 +68,13 @@ class Outcome:
     def is_garbage(self) -> bool:
         return self.status == "ok" and bool(self.garbage)
 
-    def judge(self, truncated: bool) -> None:
+    def judge(self, truncated: bool | None = None) -> None:
+        if truncated is None:
+            truncated = self.finish_reason == "length"
         if self.status != "ok" or (self.fallback and self.text == FALLBACK_TEXT):
             self.garbage = []
             return
-        self.garbage = list(judge(self.text, self.token_ids, truncated).reasons)
+        self.garbage = list(judge(self.text, self.token_ids, truncated, self.nll).reasons)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -41,6 +41,8 @@ def main_table(r: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = [
         ["P50 latency, normal prompts (ms)", _f(lb["p50_ms"]), _f(lg["p50_ms"]), _f(ratio["p50"], "{:.3f}")],
         ["P99 latency, normal prompts (ms)", _f(lb["p99_ms"]), _f(lg["p99_ms"]), _f(ratio["p99"], "{:.3f}")],
+        ["P99 over prompts of each prompt's median latency (ms)", _f(ratio.get("bare_p99_prompt_medians_ms")),
+         _f(ratio.get("guarded_p99_prompt_medians_ms")), _f(ratio.get("p99_prompt_medians"), "{:.3f}")],
         ["paired median latency ratio", "", "", _f(ratio["paired_median"], "{:.3f}")],
         ["per-token decode P50 / P99 (ms)", _pair(lb), _pair(lg), _f(ratio["per_token_p50"], "{:.3f}")],
         ["memory (process RSS, MB)", _f(b["memory_rss_mb"], "{:.0f}"), _f(g["memory_rss_mb"], "{:.0f}"), ""],
@@ -64,8 +66,11 @@ def verdicts(r: dict[str, Any]) -> list[list[str]]:
     checks = [("guarded garbage on crafted prompts = 0%", g["garbage_rate"], lambda v: v == 0, _pct),
               ("guarded 5xx on crafted prompts = 0%", g["error_rate"], lambda v: v == 0, _pct),
               ("false handoff rate <= 0.5%", g["false_handoff_rate"], lambda v: v <= 0.005, _pct),
-              ("P99 guarded / bare <= 1.01", ratio["p99"], lambda v: v <= 1.01, lambda v: _f(v, "{:.3f}"))]
+              ("P99 guarded / bare <= 1.01 (P99 over prompts of each prompt's median of the interleaved "
+               "rounds)", ratio.get("p99_prompt_medians"), lambda v: v <= 1.01, lambda v: _f(v, "{:.3f}"))]
     rows = [[name, fmt(v), "n/a" if v is None else ("PASS" if ok(v) else "FAIL")] for name, v, ok, fmt in checks]
+    rows.append(["P99 guarded / bare over every request, rounds pooled (machine noise included)",
+                 _f(ratio["p99"], "{:.3f}"), "for reading the line above"])
     aa = ((r.get("latency_boundary") or {}).get("levels") or {}).get("bare (A/A control)")
     if aa:
         rows.append(["noise floor: P99 ratio of two identical configurations (A/A)",
@@ -79,9 +84,10 @@ def fault_table(r: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         g = r["guarded"]["by_fault"].get(f, {})
         rows.append([f, str(b["requests"]), _pct(b["garbage_rate"]), _pct(b["error_rate"]),
                      _pct(g.get("garbage_rate")), _pct(g.get("error_rate")),
+                     f"{_f(b.get('max_wall_ms'))} / {_f(g.get('max_wall_ms'))}",
                      ", ".join(sorted(set(b["garbage_reasons"]) | set(g.get("garbage_reasons", {})))) or "-"])
     return ["fault model", "requests", "bare garbage", "bare 5xx", "guarded garbage", "guarded 5xx",
-            "symptoms seen"], rows
+            "slowest request bare / guarded (ms)", "symptoms seen"], rows
 
 
 def class_table(r: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -159,6 +165,20 @@ def availability_blocks(r: dict[str, Any], img: str | None) -> list[Block]:
     rows = [[_pct(s["share"]), _f(s["model_wait_ms"]), _f(s["simulated_wait_ms"])] for s in av.get("simulation", [])]
     out.append(("table", (["handoff share", "M/M/c mean wait (ms)", "simulated M/G/c wait (ms)"], rows)))
     out.append(("p", av.get("note", "")))
+    rep = av.get("concurrent_replay") or {}
+    if rep.get("points"):
+        out.append(("p", f"**Concurrent replay.** Measured handoffs replayed for real on {rep['servers']} fp32 "
+                         f"standby worker(s), Poisson arrivals at two loads; the model is confirmed at a point "
+                         f"when the measured mean wait falls inside its 95% band. {rep.get('note', '')}"))
+        rows = [[f"{p['target_utilization']:.0%} ({p['measured_utilization']:.0%})", str(p["jobs"]),
+                 _f(p["service_mean_ms"]), _f(p["wait_mean_ms"]), _f(p["ideal_queue_wait_mean_ms"]),
+                 f"{_f(p['model_wait_mean_ms'])} [{_f(p['model_band_95_ms'][0])}, {_f(p['model_band_95_ms'][1])}]",
+                 "yes" if p["confirmed"] else "NO"] for p in rep["points"]]
+        out.append(("table", (["standby load target (measured)", "jobs", "service mean (ms)",
+                               "measured mean wait (ms)", "ideal FCFS queue, same jobs (ms)",
+                               "M/G/c model [95% band] (ms)", "confirmed"], rows)))
+    elif rep.get("error"):
+        out.append(("p", f"Concurrent replay: {rep['error']}"))
     return out
 
 
@@ -200,7 +220,16 @@ def blocks(r: dict[str, Any], images: dict[str, str | None]) -> list[Block]:
     out += [("h2", "Per fault model (abnormal prompts)")]
     if images.get("replay"):
         out.append(("img", (images["replay"], "garbage and 5xx per fault model")))
-    out += [("table", fault_table(r)), ("h2", "Per prompt class (crafted)"), ("table", class_table(r))]
+    out += [("table", fault_table(r))]
+    j = r.get("garbage_judge") or {}
+    if j.get("scored"):
+        out.append(("p", "Garbage = any symptom of the incident (NaN text, U+FFFD, black squares, loops, "
+                         "token-0 floods, empty) or `implausible`: the fp32 rung, reading the answer after "
+                         f"the same prompt, gives it a mean NLL over {j['threshold_nll']:g} nats/token. "
+                         f"{j['scored']} abnormal answers scored; clean ones (no fault) reach at most "
+                         f"{_f(j.get('clean_max_nll'), '{:.2f}')} (median {_f(j.get('clean_p50_nll'), '{:.2f}')}), "
+                         f"{j.get('clean_flagged', 0)} of {j.get('clean_scored', 0)} over the threshold."))
+    out += [("h2", "Per prompt class (crafted)"), ("table", class_table(r))]
     out += precision_blocks(r, images.get("precision"))
     out += latency_blocks(r, images.get("latency_levels"))
     out += availability_blocks(r, images.get("availability"))

@@ -7,6 +7,7 @@ Phases, in order (one process, the engines loaded once and shared by every confi
     reference       fp32 greedy answers to the normal prompts (agreement)
     abnormal        abnormal prompts, no fault, bare and guarded
     faulted         (abnormal prompt, fault model) pairs, bare and guarded
+    judge           fp32 likelihood of every abnormal answer (the "implausible" garbage reason)
     precision       the gain sweep over int4, w4a16, fp32
     latency         the check levels, and the fp32 activation monitors' cost
     availability    the standby queueing model from the measured service times, and its simulation
@@ -28,12 +29,16 @@ from qladder.validate import queueing
 from qladder.validate.boundaries import LEVELS
 from qladder.validate.corpora import Prompt, load_corpora, subset
 from qladder.validate.environment import load_average, peak_rss_mb, rss_mb, snapshot
-from qladder.validate.fault_models import FaultModel, assign, by_name
+from qladder.validate.fault_models import Assignment, FaultModel, assign, by_name
 from qladder.validate.replay import Bare, Guarded, Outcome, agreement, greedy
-from qladder.validate.stats import mean, paired_ratio, section
+from qladder.validate.stats import mean, paired_ratio, percentile, section
 
 QUICK_ABNORMAL = {"long_math": 2, "code_block": 2, "control_bytes": 2, "unicode_zero_width_bidi_homoglyph": 2,
                   "emoji_zwj": 2, "long_repeat": 2, "over_long": 1}
+# The full run: every abnormal prompt but a third of the over-long ones (each is ~2,000 tokens of
+# int4 prefill, ~18 s, the same phenomenon fifteen times).
+FULL_ABNORMAL = {"long_math": 15, "code_block": 15, "control_bytes": 15, "unicode_zero_width_bidi_homoglyph": 15,
+                 "emoji_zwj": 15, "long_repeat": 15, "over_long": 5}
 SWEEP_PROMPTS = ("Compute 17*23.", "What is the capital of France?", "Name three colors.",
                  "Write a haiku about rain.")
 
@@ -41,11 +46,11 @@ SWEEP_PROMPTS = ("Compute 17*23.", "What is the capital of France?", "Name three
 @dataclass(frozen=True)
 class ValidateConfig:
     quick: bool = False
-    max_tokens: int = 64
+    max_tokens: int = 32
     normal_per_class: int = 56
-    abnormal_per_class: dict[str, int] | int = 15
+    abnormal_per_class: dict[str, int] | int = field(default_factory=lambda: dict(FULL_ABNORMAL))
     fault_names: tuple[str, ...] = ()
-    prompts_per_fault: int = 8
+    prompts_per_fault: int = 6
     rounds: int = 2
     warmup: int = 2
     reference_prompts: int | None = 64  # normal prompts answered by fp32 for agreement (None: all)
@@ -61,14 +66,19 @@ class ValidateConfig:
     servers: int = 10
     standby_share: float = 0.2
     primary_util: float = 0.7
+    replay_servers: int = 1  # standby workers of the concurrent replay (this machine: 2 cores)
+    replay_utilizations: tuple[float, ...] = (0.5, 0.8)
+    replay_jobs: int = 30  # handoffs replayed per point
+    replay_max_tokens: int | None = 16  # cap on the fp32 tokens of a replayed handoff
     seed: int = 0
     corpus_dir: Path | None = None
 
     @classmethod
     def quick_preset(cls, **kw: Any) -> ValidateConfig:
         base = cls(quick=True, max_tokens=24, normal_per_class=3, abnormal_per_class=QUICK_ABNORMAL,
-                   prompts_per_fault=2, rounds=3, warmup=2, reference_prompts=None, sweep_prompts=1,
-                   sweep_tokens=8, level_prompts=3, level_rounds=2, level_tokens=16, n_ctx=512)
+                   prompts_per_fault=2, rounds=3, warmup=2, reference_prompts=8, sweep_prompts=1,
+                   sweep_tokens=8, level_prompts=3, level_rounds=2, level_tokens=12, n_ctx=512,
+                   replay_jobs=8, replay_max_tokens=4)
         return dataclasses.replace(base, **kw)
 
     def to_dict(self) -> dict[str, Any]:
@@ -123,19 +133,25 @@ class Run:
     outcomes: list[Outcome] = field(default_factory=list)
     times: dict[str, float] = field(default_factory=dict)
     cleanup: list[Path] = field(default_factory=list)  # temporary folders (patched GGUF copies)
+    patches: dict[str, dict[str, object]] = field(default_factory=dict)  # what each copy changed
+    standby: dict[str, Any] = field(default_factory=dict)  # the concurrent standby replay
 
     def total_steps(self) -> int:
         c = self.cfg
-        n_fault = len(assign(len(self.abnormal), self.models, c.prompts_per_fault, self.skip()))
+        n_fault = len(self.assignments())
         sweep = min(c.sweep_prompts, len(SWEEP_PROMPTS)) * len(c.sweep_xs) * 3
         n_levels = min(c.level_prompts, len(self.normal))
         levels = n_levels * c.level_rounds * len(LEVELS) + min(2, n_levels) * c.monitor_rounds * 2
         return (3 + 2 * c.warmup + 2 * len(self.normal) * c.rounds + len(self.reference_set())
-                + 2 * len(self.abnormal) + 2 * n_fault + sweep + levels + 1)
+                + 4 * len(self.abnormal) + 4 * n_fault + sweep + levels + len(c.replay_utilizations) + 1)
 
     def reference_set(self) -> list[Prompt]:
         n = self.cfg.reference_prompts
         return self.normal if n is None else self.normal[:n]
+
+    def assignments(self) -> list[Assignment]:
+        return assign(len(self.abnormal), self.models, self.cfg.prompts_per_fault, self.skip(),
+                      [p.cls for p in self.abnormal])
 
     def skip(self) -> list[int]:
         """Over-long prompts take no fault: their fp32 catch-up prefill would dominate the run."""
@@ -186,7 +202,7 @@ def patched_configs(run: Run, model: FaultModel, guarded: Guarded) -> tuple[Bare
     import tempfile
 
     from qladder.engines import load_engine
-    from qladder.faults import corrupt_gguf_scale
+    from qladder.faults import GGUF_PATCHES
     from qladder.ladder import LadderConfig
     from qladder.model import inspect_model
     from qladder.sanitize import PRESETS
@@ -198,7 +214,7 @@ def patched_configs(run: Run, model: FaultModel, guarded: Guarded) -> tuple[Bare
         tmp = Path(tempfile.mkdtemp(prefix="qladder-patched-"))
         run.cleanup.append(tmp)
         dst = tmp / f"{model.name}.gguf"
-        corrupt_gguf_scale(e["info"].path, dst, **dict(model.gguf_patch or ()))  # type: ignore[arg-type]
+        run.patches[model.name] = GGUF_PATCHES[model.patch](e["info"].path, dst, **dict(model.gguf_patch or ()))
         info = inspect_model(dst, tmp)
         engine = load_engine("int4", info, e["settings"])
         q = Qladder(engines=[engine, e["fp32"]], model=info, settings=e["settings"], ladder_config=LadderConfig(),
@@ -235,13 +251,63 @@ def replay(run: Run, bare: Bare, guarded: Guarded, progress: Progress) -> dict[s
             run.outcomes.append(cfg.run(p, "abnormal", "none", [], params))
             progress.tick()
     progress.phase("faulted")
-    for a in assign(len(run.abnormal), run.models, c.prompts_per_fault, run.skip()):
+    for a in run.assignments():
         p = run.abnormal[a.prompt_index]
         pair = (bare, guarded) if a.model.gguf_patch is None else patched_configs(run, a.model, guarded)
         for cfg in pair:
             run.outcomes.append(cfg.run(p, "abnormal", a.model.name, a.model.faults, params))
             progress.tick()
     return agreement_sections
+
+
+def judged(run: Run) -> list[Outcome]:
+    """The outcomes the likelihood judge scores: every answered abnormal request (clean and
+    faulted), the set the garbage rates cover."""
+    return [o for o in run.outcomes if o.population == "abnormal" and o.status == "ok" and o.token_ids]
+
+
+def judge_likelihood(run: Run, bare: Bare, guarded: Guarded, progress: Progress) -> None:
+    """Score each judged answer under fp32, given the ids its configuration fed the engine, and
+    judge it again with that score. Identical (prompt, answer) pairs are scored once."""
+    from qladder.validate.garbage import mean_nll
+
+    progress.phase("judge (fp32 likelihood)")
+    fp32 = run.engines["fp32"]
+    prompts = {p.id: p for p in run.abnormal}
+    cache: dict[tuple[tuple[int, ...], tuple[int, ...]], float | None] = {}
+    t = time.perf_counter()
+    for o in judged(run):
+        p = prompts[o.prompt_id]
+        ids = bare.encode(p.prompt) if o.config == "bare" else guarded.prompt_ids(p, run.cfg.max_tokens)
+        key = (tuple(ids), tuple(o.token_ids))
+        if key not in cache:
+            try:
+                cache[key] = mean_nll(fp32.score(ids, o.token_ids))
+            except Exception:  # an answer too long to score stays judged by its symptoms alone
+                cache[key] = None
+        o.nll = cache[key]
+        o.judge()
+        progress.tick()
+    run.times["judge_s"] = time.perf_counter() - t
+    run.times["judge_scored"] = float(len(cache))
+
+
+def judge_summary(run: Run) -> dict[str, Any]:
+    """The likelihood judge's threshold against the scores it saw: clean answers' largest score is
+    its false-positive margin."""
+    from qladder.validate.garbage import IMPLAUSIBLE_NLL
+
+    scored = [o for o in run.outcomes if o.nll is not None]
+    clean = [o.nll for o in scored if o.fault == "none" and o.nll is not None]
+    by_fault: dict[str, dict[str, list[float]]] = {}
+    for o in scored:
+        if o.fault != "none" and o.nll is not None:
+            by_fault.setdefault(o.fault, {}).setdefault(o.config, []).append(round(o.nll, 3))
+    return {"threshold_nll": IMPLAUSIBLE_NLL, "scored": len(scored), "clean_scored": len(clean),
+            "clean_max_nll": max(clean, default=None), "clean_p50_nll": percentile(clean, 50),
+            "clean_flagged": sum(x > IMPLAUSIBLE_NLL for x in clean), "faulted_nll": by_fault,
+            "note": "mean negative log-likelihood (nats/token) of each abnormal answer under the fp32 "
+                    "rung, given the ids its configuration fed the engine"}
 
 
 def reference(run: Run, bare: Bare, guarded: Guarded, progress: Progress) -> dict[str, Any]:
@@ -293,6 +359,39 @@ def boundaries(run: Run, progress: Progress) -> dict[str, Any]:
     return {"precision": precision, "latency": latency}
 
 
+def standby_jobs(run: Run, guarded: Guarded) -> list[Any]:
+    """The standby's share of every measured handoff: the context at the handoff, and the fp32
+    tokens served after it (capped by `replay_max_tokens`)."""
+    from qladder.validate.standby_replay import Job
+
+    prompts = {p.id: p for p in (*run.normal, *run.abnormal)}
+    jobs = []
+    for o in run.outcomes:
+        if o.config != "guarded" or not o.handoff_ms or "fp32" not in o.token_rungs:
+            continue
+        first = o.token_rungs.index("fp32")
+        ids = guarded.prompt_ids(prompts[o.prompt_id], run.cfg.max_tokens) + o.token_ids[:first]
+        n = len(o.token_ids) - first
+        if run.cfg.replay_max_tokens is not None:
+            n = min(n, run.cfg.replay_max_tokens)
+        jobs.append(Job(tuple(ids), n))
+    return jobs
+
+
+def standby_confirmation(run: Run, guarded: Guarded, progress: Progress) -> dict[str, Any]:
+    from qladder.engines import instrument
+    from qladder.validate.standby_replay import confirm
+
+    c = run.cfg
+    fp32 = run.engines["fp32"]
+    instrument(fp32, activations=False, row_stats=False)
+    t = time.perf_counter()
+    out = confirm(fp32, standby_jobs(run, guarded), c.replay_utilizations, c.replay_servers, c.replay_jobs,
+                  c.seed, progress.tick)
+    run.times["standby_replay_s"] = time.perf_counter() - t
+    return out
+
+
 def availability(run: Run, guarded: Sequence[Outcome]) -> dict[str, Any]:
     c = run.cfg
     normal = [o.wall_ms / 1e3 for o in guarded if o.population == "normal" and o.fault == "none"
@@ -317,8 +416,10 @@ def availability(run: Run, guarded: Sequence[Outcome]) -> dict[str, Any]:
     return {"model": model.to_dict(), "curve": curve, "wait_budget_ms": budget * 1e3,
             "share_at_wait_budget": model.share_at_wait(budget) if budget > 0 else None,
             "simulation": checks, "standby_samples_ms": [s * 1e3 for s in standby],
+            "concurrent_replay": run.standby,
             "note": "standby service = handoff latency + fp32 tokens x measured fp32 ms/token; M/G/c "
-                    "simulation draws from these samples (not a concurrent replay)"}
+                    "simulation draws from these samples; concurrent_replay runs real handoffs on "
+                    "real fp32 standby workers at two loads and checks the M/G/c model against them"}
 
 
 def validate(cfg: ValidateConfig, out_dir: Path, show_progress: bool = True,
@@ -341,7 +442,10 @@ def validate(cfg: ValidateConfig, out_dir: Path, show_progress: bool = True,
                                           "error": getattr(int4, "monitor_error", None)}
         bare, guarded = configs(run, store)
         agree = replay(run, bare, guarded, progress)
+        judge_likelihood(run, bare, guarded, progress)
         bounds = boundaries(run, progress)
+        progress.phase("standby replay (concurrent)")
+        run.standby = standby_confirmation(run, guarded, progress)
         progress.phase("availability model")
         results = assemble(run, env, agree, bounds, store.count())
         progress.tick()
@@ -389,7 +493,7 @@ def assemble(run: Run, env: dict[str, Any], agree: dict[str, Any], bounds: dict[
                    "memory_note": "RSS of this process after loading and touching each engine (two greedy "
                                   "tokens): bare = after int4; guarded = after int4 and fp32 (w4a16, for "
                                   "the sweep only, is loaded last)"},
-        "fault_models": [fm.to_dict() for fm in run.models],
+        "fault_models": [{**fm.to_dict(), "applied_patch": run.patches.get(fm.name)} for fm in run.models],
         "bare": section(bare, agree.get("bare"), mem_bare),
         "guarded": section(guarded, agree.get("guarded"), mem_guarded),
         "latency_ratio_guarded_over_bare": paired_ratio(bare, guarded),
@@ -399,6 +503,7 @@ def assemble(run: Run, env: dict[str, Any], agree: dict[str, Any], bounds: dict[
         "latency_samples_normal_ms": {cfg: [o.wall_ms for o in outs if o.population == "normal"
                                             and o.fault == "none" and o.status == "ok"]
                                       for cfg, outs in (("bare", bare), ("guarded", guarded))},
+        "garbage_judge": judge_summary(run),
         "incidents_recorded": incidents,
         "failure_paths_seen": failure_paths,
         "phase_times_s": run.times,

@@ -65,6 +65,7 @@ def rates(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "garbage_reasons": dict(Counter(r for o in outcomes if o.is_garbage for r in o.garbage)),
         "error_kinds": dict(Counter((o.error_kind or "").split(":")[0] for o in outcomes
                                     if o.status != "ok")),
+        "max_wall_ms": max((o.wall_ms for o in outcomes), default=None),  # a stall shows here
     }
 
 
@@ -113,14 +114,33 @@ def section(outcomes: Sequence[Outcome], agreement: dict[str, float | None] | No
     return out
 
 
+def prompt_medians(outcomes: Sequence[Outcome]) -> dict[str, float]:
+    """Each prompt's median latency over its rounds (answered requests only)."""
+    by: dict[str, list[float]] = {}
+    for o in outcomes:
+        if o.status == "ok":
+            by.setdefault(o.prompt_id, []).append(o.wall_ms)
+    return {k: v for k, v in ((k, percentile(v, 50)) for k, v in by.items()) if v is not None}
+
+
 def paired_ratio(bare: Sequence[Outcome], guarded: Sequence[Outcome]) -> dict[str, float | None]:
-    """Guarded over bare on normal clean prompts: p50/p99 of requests and of per-token latency, and
-    the median of per-request ratios paired by (prompt, round), which is robust to drift."""
+    """Guarded over bare on normal clean prompts: p50/p99 of requests and of per-token latency, the
+    median of per-request ratios paired by (prompt, round), which is robust to drift, and the P99
+    over prompts of each prompt's median over its rounds (`p99_prompt_medians`): the tail of the
+    workload (which prompts are slow) with the machine's transient noise damped by repetition.
+    Both configurations run the same prompts with the same greedy answers, interleaved."""
     lb, lg = latency(population(bare, "normal_clean")), latency(population(guarded, "normal_clean"))
+    mb, mg = prompt_medians(population(bare, "normal_clean")), prompt_medians(population(guarded, "normal_clean"))
+    common = sorted(set(mb) & set(mg))
     key = {(o.prompt_id, o.round): o for o in population(bare, "normal_clean") if o.status == "ok"}
     pairs = [o.wall_ms / key[(o.prompt_id, o.round)].wall_ms for o in population(guarded, "normal_clean")
              if o.status == "ok" and (o.prompt_id, o.round) in key and key[(o.prompt_id, o.round)].wall_ms]
     return {"p50": ratio(lg["p50_ms"], lb["p50_ms"]), "p99": ratio(lg["p99_ms"], lb["p99_ms"]),
             "per_token_p50": ratio(lg["per_token_p50_ms"], lb["per_token_p50_ms"]),
             "per_token_p99": ratio(lg["per_token_p99_ms"], lb["per_token_p99_ms"]),
-            "paired_median": percentile(pairs, 50), "pairs": len(pairs)}
+            "paired_median": percentile(pairs, 50), "pairs": len(pairs),
+            "p99_prompt_medians": ratio(percentile([mg[k] for k in common], 99),
+                                        percentile([mb[k] for k in common], 99)),
+            "prompts": len(common),
+            "bare_p99_prompt_medians_ms": percentile([mb[k] for k in common], 99),
+            "guarded_p99_prompt_medians_ms": percentile([mg[k] for k in common], 99)}

@@ -91,6 +91,25 @@ def test_repetition_loop_is_caught():
     assert StepGuard(cfg).check(_normal_row(), list(range(100)), "int4") is None
 
 
+def test_short_loops_are_caught_sooner_than_long_ones():
+    g = StepGuard(GuardConfig())
+    assert g.check(_normal_row(), [1, 2] + [40] * 12, "int4").value == 1.0  # 12 tokens of '('
+    assert g.check(_normal_row(), [1, 2] + [40] * 11, "int4") is None
+    assert g.check(_normal_row(), [1, 2] + [5, 6] * 6, "int4").value == 2.0
+    long = list(range(20)) * 3  # period 20: the long rule (8 repeats) decides
+    assert g.check(_normal_row(), long, "int4") is None
+    assert g.check(_normal_row(), list(range(20)) * 8, "int4").value == 20.0
+
+
+def test_loop_start_exact():
+    from qladder.health.repetition import loop_start
+
+    assert loop_start([1, 2, 3, 9, 9, 9, 9], 1) == 3
+    assert loop_start([1, 5, 6, 5, 6, 5, 6], 2) == 1
+    assert loop_start([5, 6, 5, 6], 2) == 0
+    assert loop_start([1, 2, 3], 1) == 2 and loop_start([4], 1) == 0
+
+
 def test_find_repetition_exact():
     assert find_repetition([5] * 40, 1, 8, 8, 32) == 1
     assert find_repetition([5] * 31, 1, 8, 8, 32) is None  # span too short

@@ -39,6 +39,43 @@ def test_write_up_example_without_backup_gives_the_safe_fallback():
     assert store.rows()[0]["action"] == "stop:degraded"
 
 
+def test_a_loop_both_rungs_reproduce_ends_withheld_and_recorded():
+    """The model's own loop (both rungs continue it): finish_reason repetition, one copy of the
+    pattern kept, the rest of the loop never in the answer; one incident."""
+
+    def looping(ids):  # 3 new tokens, then token 4 forever
+        row = [0.0] * 6
+        row[min(len(ids), 4) if len(ids) < 4 else 4] = 5.0
+        return row
+
+    store = IncidentStore()
+    engines = [ScriptedEngine(looping, 6, name="int4"), ScriptedEngine(looping, 6, name="fp32")]
+    r = Ladder(engines, incidents=store).generate([0], SamplingParams(max_tokens=40))
+    assert r.finish_reason == FinishReason.REPETITION and not r.fallback
+    assert r.token_ids == [1, 2, 3, 4] and r.token_rungs == ["int4"] * 4
+    assert [h.check for h in r.hazards] == ["repetition"] and store.count() == 1
+
+
+def test_incident_with_a_lone_surrogate_in_the_prompt_is_stored_escaped():
+    primary = ScriptedEngine(lambda ids: [1.0, math.nan, 2.5], 3, name="int4")
+    store = IncidentStore()
+    r = Ladder([primary], incidents=store).generate([0], SamplingParams(max_tokens=2),
+                                                   prompt_text="bad \ud800 text")
+    assert r.fallback and store.count() == 1
+    assert store.rows()[0]["prompt_text"] == "bad \\ud800 text"
+
+
+def test_a_failing_incident_store_does_not_fail_the_answer(caplog):
+    def broken(_incident):
+        raise OSError("disk full")
+
+    primary = ScriptedEngine(lambda ids: [1.0, math.nan, 2.5], 3, name="int4")
+    backup = ScriptedEngine(lambda ids: [1.0, 0.2, 8.5], 3, name="fp32")
+    r = Ladder([primary, backup], incidents=broken).generate([0], SamplingParams(max_tokens=1))
+    assert r.token_ids == [2]
+    assert "incident store failed" in caplog.text and "nonfinite" in caplog.text
+
+
 def _chat(engine, text="Write one sentence about the sea."):
     from qladder.model import inspect_model
 

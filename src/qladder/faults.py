@@ -22,6 +22,11 @@ the GGUF with one block's scale multiplied, and an int4 engine loaded on that co
 real kernels on it (layer 11 ffn_down, row 507, x=1000 turns "Paris" into garbage; the guard's
 outlier check catches it at prefill).
 
+Glitch tokens are not a per-request fault either: `glitch_gguf` writes a copy of the GGUF whose
+input embeddings of the byte-fallback tokens (UTF-8 lead/continuation bytes, C0 controls) are
+multiplied by x, the output matrix untied so logits stay as they were; a prompt that contains
+one (emoji ZWJ sequences, raw control bytes) then carries an outlier from the first layer on.
+
 Steps count generated tokens: step K is the logits row from which token K would be sampled
 (step 0 is the row right after prefill).
 """
@@ -237,14 +242,14 @@ def byte_fallback_tokens(pieces: Sequence[str]) -> list[int]:
     return [i for i, p in enumerate(pieces) if p in table and table[p] in rare]
 
 
-def glitch_gguf(src: Path, dst: Path, x: float = 20_000.0, tokens: Sequence[int] | None = None
+def glitch_gguf(src: Path, dst: Path, x: float = 1000.0, tokens: Sequence[int] | None = None
                 ) -> dict[str, object]:
     """Write a copy of a GGUF whose input embeddings of `tokens` (default: the byte-fallback tokens)
     are multiplied by x: a prompt-triggered outlier, as under-trained tokens cause.
 
-    The model ties its output to `token_embd`, so the copy first unties them: `output.weight`
-    becomes the original embedding matrix and only the input side is scaled (llama.cpp uses
-    `output.weight` when a file has one). Each scaled row has every block's fp16 scale `d`
+    When the model ties its output to `token_embd` (SmolLM2 does), the copy first unties them:
+    `output.weight` becomes the original embedding matrix and only the input side is scaled
+    (llama.cpp uses `output.weight` when a file has one). Each scaled row has every block's fp16 scale `d`
     multiplied by x (Q8_0/Q4_0/Q4_1: value = d * q [+ m]; for Q4_1 the min m is scaled too).
     Returns what was changed, with the largest |value| of a scaled row.
     """
@@ -253,8 +258,7 @@ def glitch_gguf(src: Path, dst: Path, x: float = 20_000.0, tokens: Sequence[int]
 
     reader = GGUFReader(str(src))
     by_name = {t.name: t for t in reader.tensors}
-    if "output.weight" in by_name:
-        raise ConfigError(f"{src} already has an untied output.weight; glitch_gguf expects a tied model")
+    tied = "output.weight" not in by_name
     emb = by_name.get("token_embd.weight")
     if emb is None:
         raise ConfigError(f"no token_embd.weight in {src}")
@@ -287,13 +291,15 @@ def glitch_gguf(src: Path, dst: Path, x: float = 20_000.0, tokens: Sequence[int]
     for t in reader.tensors:
         data = patched if t.name == "token_embd.weight" else t.data
         writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)  # quantized: shape in bytes
-    writer.add_tensor("output.weight", emb.data, raw_dtype=emb.tensor_type)
+    if tied:
+        writer.add_tensor("output.weight", emb.data, raw_dtype=emb.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     peak = float(np.abs(_dequantize_rows(patched, kind, rows)).max())
-    return {"tensor": "token_embd.weight", "tokens": len(rows), "x": x, "max_abs_scaled": peak}
+    return {"tensor": "token_embd.weight", "tokens": len(rows), "x": x, "max_abs_scaled": peak,
+            "untied_output": tied}
 
 
 def _dequantize_rows(data: object, kind: str, rows: object) -> object:

@@ -78,9 +78,9 @@ class IncidentStore:
 
     def record(self, inc: Incident) -> None:
         h = inc.hazard
-        row = (inc.ts or time.time(), inc.request_id, inc.prompt_hash, inc.prompt_text,
+        row = (inc.ts or time.time(), _storable(inc.request_id), inc.prompt_hash, _storable(inc.prompt_text),
                json.dumps(inc.prompt_ids), h.rung, h.step, h.check, h.layer, _finite(h.value),
-               _finite(h.threshold), inc.action, inc.handoff_latency_ms, json.dumps(inc.faults), h.detail)
+               _finite(h.threshold), inc.action, inc.handoff_latency_ms, json.dumps(inc.faults), _storable(h.detail))
         with self._lock:
             self._db.execute(
                 "INSERT INTO incidents (ts, request_id, prompt_hash, prompt_text, prompt_ids, rung, step,"
@@ -100,6 +100,18 @@ class IncidentStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _storable(text: str | None) -> str | None:
+    """The raw prompt is kept for replay, but SQLite takes only valid UTF-8: a lone surrogate
+    (which a client can send in JSON) is stored as its escape, `\\ud800`."""
+    if text is None:
+        return None
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _finite(x: float | None) -> float | str | None:

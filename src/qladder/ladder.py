@@ -17,6 +17,8 @@ when the policy may return to it, rolled back past the step that produced the ba
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -29,12 +31,15 @@ from qladder.engines.base import Engine, Session, check_handoff
 from qladder.errors import EngineError, InputError
 from qladder.faults import Fault, FaultySession, engine_faults
 from qladder.health.guard import GUARD_PRESETS, GuardConfig, StepGuard
+from qladder.health.repetition import loop_start
 from qladder.incidents import Incident, IncidentSink, prompt_hash
 from qladder.policy import Handoff as HandoffAction
 from qladder.policy import LadderPolicy, Stop
 from qladder.sampling import Sampler, SamplingParams
 from qladder.shadow import WarmShadow
 from qladder.types import FALLBACK_TEXT, FinishReason, GenerationResult, Handoff, Hazard
+
+_log = logging.getLogger("qladder.incidents")
 
 
 @dataclass(frozen=True)
@@ -320,9 +325,23 @@ class _Run:
         for inc in pending:
             inc.handoff_latency_ms = latency_ms if inc.action.startswith("handoff") else None
             if self.L.incidents is not None:
-                self.L.incidents(inc)
+                try:
+                    self.L.incidents(inc)
+                except Exception:  # a failing store must not fail the answer; the log keeps the record
+                    _log.exception("incident store failed; the incident: %s",
+                                   json.dumps(inc.to_dict(), default=str, ensure_ascii=True))
 
     # -- endings -------------------------------------------------------------------------------
+    def withhold_loop(self) -> None:
+        """An answer that ends on a repetition hazard (the model's own loop, or no rung left) keeps
+        one copy of the repeated pattern: the loop's other tokens are never part of the answer."""
+        if not self.hazards or self.hazards[-1].check != "repetition" or self.hazards[-1].value is None:
+            return
+        period = int(self.hazards[-1].value)
+        keep = loop_start(self.accepted, period) + period
+        if keep < len(self.accepted):
+            del self.accepted[keep:]
+            del self.token_rungs[keep:]
     def hit_stop_string(self) -> bool:
         stops = self.params.stop
         if not stops:
@@ -333,6 +352,7 @@ class _Run:
 
     def finish(self, reason: FinishReason, fallback: bool = False) -> GenerationResult:
         self.close_handoff(self.L.clock())
+        self.withhold_loop()
         text = self.L.engines[0].detokenize(self.accepted)
         for s in self.params.stop:
             cut = text.find(s)

@@ -66,6 +66,12 @@ class GuardConfig:
     repetition_max_period: int = 64
     repetition_min_repeats: int = 8
     repetition_min_span: int = 32  # tokens the repeated tail must cover at least
+    # Short loops (a token or a few: '((((((', '❄❄❄❄') are caught sooner, at the bar of the
+    # offline garbage judge: period <= 16, 6 repeats, 12 tokens. None of the 896 normal answers
+    # of a full `qladder validate` run reaches it.
+    repetition_short_max_period: int = 16
+    repetition_short_min_repeats: int = 6
+    repetition_short_min_span: int = 12
     step_deadline_s: float = 2.0
 
 
@@ -164,9 +170,12 @@ class StepGuard:
             hazard = self._check_row(*row_stats, row.numel(), rung, step)
             if hazard is not None:
                 return hazard
-        if c.check_repetition and len(generated) >= c.repetition_min_span:
-            period = find_repetition(generated, c.repetition_min_period, c.repetition_max_period,
-                                     c.repetition_min_repeats, c.repetition_min_span)
+        if c.check_repetition and len(generated) >= min(c.repetition_min_span, c.repetition_short_min_span):
+            period = find_repetition(generated, c.repetition_min_period, c.repetition_short_max_period,
+                                     c.repetition_short_min_repeats, c.repetition_short_min_span)
+            if period is None and len(generated) >= c.repetition_min_span:
+                period = find_repetition(generated, c.repetition_min_period, c.repetition_max_period,
+                                         c.repetition_min_repeats, c.repetition_min_span)
             if period is not None:
                 return Hazard("repetition", rung, step, float(period), float(c.repetition_min_repeats),
                               detail=f"the tail repeats a {period}-token pattern")

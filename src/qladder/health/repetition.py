@@ -28,3 +28,14 @@ def find_repetition(
         if tail[p:] == tail[:-p]:  # periodic with period p over the whole span
             return p
     return None
+
+
+def loop_start(ids: Sequence[int], period: int) -> int:
+    """Where the longest period-p tail of ids begins: ids[start:] repeats one p-token pattern."""
+    n = len(ids)
+    if period < 1 or n <= period:
+        return 0 if period >= 1 else n
+    i = n - period - 1
+    while i >= 0 and ids[i] == ids[i + period]:
+        i -= 1
+    return i + 1

@@ -35,10 +35,11 @@ from qladder.validate.stats import mean, paired_ratio, percentile, section
 
 QUICK_ABNORMAL = {"long_math": 2, "code_block": 2, "control_bytes": 2, "unicode_zero_width_bidi_homoglyph": 2,
                   "emoji_zwj": 2, "long_repeat": 2, "over_long": 1}
-# The full run: every abnormal prompt but a third of the over-long ones (each is ~2,000 tokens of
-# int4 prefill, ~18 s, the same phenomenon fifteen times).
-FULL_ABNORMAL = {"long_math": 15, "code_block": 15, "control_bytes": 15, "unicode_zero_width_bidi_homoglyph": 15,
-                 "emoji_zwj": 15, "long_repeat": 15, "over_long": 5}
+# The full run, sized for 45 minutes on 2 cores: int4 prefill (~140 tokens/s here) dominates the
+# abnormal prompts, so the classes of long prompts (code blocks ~9 s a request, long math and emoji
+# ~5 s, over-long ~10 s) use their first items; the short classes run whole.
+FULL_ABNORMAL = {"long_math": 10, "code_block": 10, "control_bytes": 15, "unicode_zero_width_bidi_homoglyph": 15,
+                 "emoji_zwj": 10, "long_repeat": 15, "over_long": 3}
 SWEEP_PROMPTS = ("Compute 17*23.", "What is the capital of France?", "Name three colors.",
                  "Write a haiku about rain.")
 
@@ -50,10 +51,10 @@ class ValidateConfig:
     normal_per_class: int = 56
     abnormal_per_class: dict[str, int] | int = field(default_factory=lambda: dict(FULL_ABNORMAL))
     fault_names: tuple[str, ...] = ()
-    prompts_per_fault: int = 6
+    prompts_per_fault: int = 5
     rounds: int = 2
     warmup: int = 2
-    reference_prompts: int | None = 64  # normal prompts answered by fp32 for agreement (None: all)
+    reference_prompts: int | None = 48  # normal prompts answered by fp32 for agreement (None: all)
     sweep_xs: tuple[float, ...] = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0)
     sweep_prompts: int = 4
     sweep_tokens: int = 16
@@ -68,7 +69,7 @@ class ValidateConfig:
     primary_util: float = 0.7
     replay_servers: int = 1  # standby workers of the concurrent replay (this machine: 2 cores)
     replay_utilizations: tuple[float, ...] = (0.5, 0.8)
-    replay_jobs: int = 30  # handoffs replayed per point
+    replay_jobs: int = 20  # handoffs replayed per point
     replay_max_tokens: int | None = 16  # cap on the fp32 tokens of a replayed handoff
     seed: int = 0
     corpus_dir: Path | None = None

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from qladder.errors import ModelError
 
@@ -144,6 +145,14 @@ class Segment:
     special: bool
 
 
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str) -> Any:
+    """A chat template compiled once (compiling takes ~5 ms, a request's rendering ~0.1 ms)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+
+
 def render_chat(template: str, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[Segment]:
     """Render messages through the model's chat template, keeping user content apart.
 
@@ -151,17 +160,14 @@ def render_chat(template: str, messages: Sequence[Message], add_generation_promp
     content is tokenized as plain text, so a literal `<|im_start|>` typed by a user cannot forge a
     role turn.
     """
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     for m in messages:
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError("each message needs string 'role' and 'content'")
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     marked = [
         {"role": m["role"], "content": _OPEN + m["content"].replace(_OPEN, "").replace(_CLOSE, "") + _CLOSE}
         for m in messages
     ]
-    text = env.from_string(template).render(messages=marked, add_generation_prompt=add_generation_prompt)
+    text = _compiled(template).render(messages=marked, add_generation_prompt=add_generation_prompt)
     segments: list[Segment] = []
     rest = text
     while rest:

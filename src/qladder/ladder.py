@@ -334,14 +334,17 @@ class _Run:
     # -- endings -------------------------------------------------------------------------------
     def withhold_loop(self) -> None:
         """An answer that ends on a repetition hazard (the model's own loop, or no rung left) keeps
-        one copy of the repeated pattern: the loop's other tokens are never part of the answer."""
-        if not self.hazards or self.hazards[-1].check != "repetition" or self.hazards[-1].value is None:
+        one copy of the repeated pattern: the loop's other tokens are never part of the answer.
+        A loop that a handoff broke (tokens were accepted after the hazard) is left alone."""
+        h = self.hazards[-1] if self.hazards else None
+        if h is None or h.check != "repetition" or h.value is None or h.step != len(self.accepted):
             return
-        period = int(self.hazards[-1].value)
+        period = int(h.value)
         keep = loop_start(self.accepted, period) + period
         if keep < len(self.accepted):
             del self.accepted[keep:]
             del self.token_rungs[keep:]
+
     def hit_stop_string(self) -> bool:
         stops = self.params.stop
         if not stops:

@@ -208,7 +208,7 @@ def test_per_layer_outlier_bounds_catch_a_quiet_layer_under_the_ceiling():
     # Limits calibrated for another depth are not applied: the ceiling alone decides.
     six = torch.tensor([600.0] * 6)
     assert StepGuard(cfg).check(_normal_row(), [], "int4", torch.tensor([25_000.0] * 6), 65504.0, six) is None
-    assert StepGuard(cfg).outlier_bounds(6) == 2000.0
+    assert StepGuard(cfg).outlier_bounds(6) == [2000.0] * 6
 
 
 @pytest.mark.parametrize("values,limit", [

@@ -90,22 +90,18 @@ class StepGuard:
 
     def __init__(self, config: GuardConfig = GUARD_PRESETS["default"]):
         self.config = config
-        self._outlier_bounds: dict[int, torch.Tensor | float] = {}
+        self._outlier_bounds: dict[int, list[float]] = {}
 
-    def outlier_bounds(self, n_layer: int) -> torch.Tensor | float:
+    def outlier_bounds(self, n_layer: int) -> list[float]:
         """The outlier bound of each of n_layer layers: the per-layer limits (capped by the
         ceiling) when they were calibrated for this many layers, else the ceiling alone."""
         if n_layer not in self._outlier_bounds:
             c = self.config
             ceiling = c.outlier_limit if c.outlier_limit is not None else math.inf
             per = c.outlier_layer_limits
-            self._outlier_bounds[n_layer] = (torch.tensor([min(v, ceiling) for v in per], dtype=torch.float32)
-                                             if per is not None and len(per) == n_layer else ceiling)
+            self._outlier_bounds[n_layer] = ([min(v, ceiling) for v in per]
+                                             if per is not None and len(per) == n_layer else [ceiling] * n_layer)
         return self._outlier_bounds[n_layer]
-
-    def outlier_bounds_list(self, n_layer: int) -> list[float]:
-        b = self.outlier_bounds(n_layer)
-        return b.tolist() if isinstance(b, torch.Tensor) else [b] * n_layer
 
     def check(
         self,
@@ -138,8 +134,7 @@ class StepGuard:
             act = _first_over_host(activation_peaks.tolist(), limit)
             if use_rest:
                 assert rest_peaks is not None
-                n = int(rest_peaks.numel())
-                rest = _first_over_host(rest_peaks.tolist(), self.outlier_bounds_list(n))
+                rest = _first_over_host(rest_peaks.tolist(), self.outlier_bounds(int(rest_peaks.numel())))
         if reduce_row or (use_act and not host):
             parts = [row.sum(), row.amax(), row.amin()] if reduce_row else []
             if use_act and not host:
@@ -147,7 +142,8 @@ class StepGuard:
                 parts += _first_over(activation_peaks, limit)
                 if use_rest:
                     assert rest_peaks is not None
-                    parts += _first_over(rest_peaks, self.outlier_bounds(int(rest_peaks.numel())))
+                    bounds = torch.tensor(self.outlier_bounds(int(rest_peaks.numel())), device=rest_peaks.device)
+                    parts += _first_over(rest_peaks, bounds)
             values = torch.stack(parts).tolist()  # the step's single host sync
             if reduce_row:
                 row_stats = (values[0], values[1], values[2])
@@ -171,14 +167,15 @@ class StepGuard:
             if hazard is not None:
                 return hazard
         if c.check_repetition and len(generated) >= min(c.repetition_min_span, c.repetition_short_min_span):
-            period = find_repetition(generated, c.repetition_min_period, c.repetition_short_max_period,
-                                     c.repetition_short_min_repeats, c.repetition_short_min_span)
-            if period is None and len(generated) >= c.repetition_min_span:
-                period = find_repetition(generated, c.repetition_min_period, c.repetition_max_period,
-                                         c.repetition_min_repeats, c.repetition_min_span)
-            if period is not None:
-                return Hazard("repetition", rung, step, float(period), float(c.repetition_min_repeats),
-                              detail=f"the tail repeats a {period}-token pattern")
+            rules = ((c.repetition_short_max_period, c.repetition_short_min_repeats, c.repetition_short_min_span),
+                     (c.repetition_max_period, c.repetition_min_repeats, c.repetition_min_span))
+            for max_period, repeats, span in rules:
+                if len(generated) < span:
+                    continue
+                period = find_repetition(generated, c.repetition_min_period, max_period, repeats, span)
+                if period is not None:
+                    return Hazard("repetition", rung, step, float(period), float(repeats),
+                                  detail=f"the tail repeats a {period}-token pattern")
         return None
 
     def _check_row(self, total: float, hi: float, lo: float, n: int, rung: str, step: int) -> Hazard | None:
@@ -197,7 +194,7 @@ class StepGuard:
 
 def _first_over_host(values: Sequence[float], limit: Sequence[float] | float) -> list[float]:
     """`_first_over` on host floats: [hit, layer, value, bound] of the first layer over its bound
-    (NaN counts as over), or [0, 0, max, bound] when none is."""
+    (NaN counts as over), or [0, 0, max, first bound] when none is."""
     bounds = [limit] * len(values) if isinstance(limit, (int, float)) else list(limit)
     for i, (v, b) in enumerate(zip(values, bounds, strict=True)):
         if not v <= b:
@@ -210,9 +207,6 @@ def _first_over(values: torch.Tensor, limit: torch.Tensor | float) -> list[torch
     when `limit` is per layer; NaN counts as over."""
     over = ~(values <= limit)  # (L,)
     first = over.to(torch.uint8).argmax()
-    out = [over.any().to(torch.float32), first.to(torch.float32), values[first].to(torch.float32)]
-    if isinstance(limit, torch.Tensor):
-        out.append(limit[first])
-    else:
-        out.append(torch.tensor(limit, dtype=torch.float32))
-    return out
+    bound = limit[first] if isinstance(limit, torch.Tensor) else torch.tensor(limit, device=values.device)
+    return [over.any().to(torch.float32), first.to(torch.float32), values[first].to(torch.float32),
+            bound.to(torch.float32)]

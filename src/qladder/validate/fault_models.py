@@ -98,8 +98,9 @@ FAULT_MODELS: tuple[FaultModel, ...] = (
         "A copy of the GGUF whose input embeddings of those tokens are multiplied by 1000 (max "
         "|value| ~1,350; clean layers 10-12 stay near 110), with the output matrix untied so the "
         "logits are unchanged (qladder.faults.glitch_gguf); llama.cpp's real kernels on the copy. "
-        "At x = 100 answers already change and no bound separates them from clean traffic; at "
-        "x = 1000 only a per-layer bound sees it (the peaks, ~600-750, stay under the global 2,000).",
+        "At x = 100 answers already change while every layer stays under its bound (3x its clean "
+        "max); at x = 1000 only a per-layer bound sees it (the peaks, ~600-750, stay under the "
+        "global 2,000).",
         trigger="prompts whose tokens include one: emoji ZWJ sequences (the sanitizer keeps "
                 "them), raw control bytes and zero-width/bidi text (the sanitizer removes them, "
                 "so guarded meets the fault only on emoji)",

@@ -122,6 +122,10 @@ class Bare:
         text = prompt.decode("utf-8", "replace") if isinstance(prompt, bytes) else prompt
         return user_prompt_ids(self.info.chat_template, text, self.engine.tokenize)
 
+    def prompt_ids(self, p: Prompt, max_tokens: int) -> list[int]:
+        """The ids this configuration feeds its engine for a prompt (as `Guarded.prompt_ids`)."""
+        return self.encode(p.prompt)
+
     def run(self, p: Prompt, population: str, fault_name: str, faults: Sequence[Fault],
             params: SamplingParams) -> Outcome:
         instrument(self.engine, activations=False, row_stats=False)  # a naive server runs no guard

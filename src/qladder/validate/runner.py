@@ -136,6 +136,7 @@ class Run:
     cleanup: list[Path] = field(default_factory=list)  # temporary folders (patched GGUF copies)
     patches: dict[str, dict[str, object]] = field(default_factory=dict)  # what each copy changed
     standby: dict[str, Any] = field(default_factory=dict)  # the concurrent standby replay
+    patched: dict[str, tuple[Any, Bare, Guarded]] = field(default_factory=dict)  # fault model -> engine, configs
 
     def total_steps(self) -> int:
         c = self.cfg
@@ -209,8 +210,7 @@ def patched_configs(run: Run, model: FaultModel, guarded: Guarded) -> tuple[Bare
     from qladder.sanitize import PRESETS
     from qladder.service import Qladder
 
-    key = f"patched:{model.name}"
-    if key not in run.engines:
+    if model.name not in run.patched:
         e = run.engines
         tmp = Path(tempfile.mkdtemp(prefix="qladder-patched-"))
         run.cleanup.append(tmp)
@@ -220,8 +220,8 @@ def patched_configs(run: Run, model: FaultModel, guarded: Guarded) -> tuple[Bare
         engine = load_engine("int4", info, e["settings"])
         q = Qladder(engines=[engine, e["fp32"]], model=info, settings=e["settings"], ladder_config=LadderConfig(),
                     sanitize_config=PRESETS["default"], incidents=guarded.q.ladder.incidents)
-        run.engines[key] = (engine, Bare(engine, info), Guarded(q))
-    _, b, g = run.engines[key]
+        run.patched[model.name] = (engine, Bare(engine, info), Guarded(q))
+    _, b, g = run.patched[model.name]
     return b, g
 
 
@@ -277,9 +277,9 @@ def judge_likelihood(run: Run, bare: Bare, guarded: Guarded, progress: Progress)
     prompts = {p.id: p for p in run.abnormal}
     cache: dict[tuple[tuple[int, ...], tuple[int, ...]], float | None] = {}
     t = time.perf_counter()
+    by_config = {"bare": bare, "guarded": guarded}
     for o in judged(run):
-        p = prompts[o.prompt_id]
-        ids = bare.encode(p.prompt) if o.config == "bare" else guarded.prompt_ids(p, run.cfg.max_tokens)
+        ids = by_config[o.config].prompt_ids(prompts[o.prompt_id], run.cfg.max_tokens)
         key = (tuple(ids), tuple(o.token_ids))
         if key not in cache:
             try:
@@ -319,7 +319,7 @@ def reference(run: Run, bare: Bare, guarded: Guarded, progress: Progress) -> dic
     scores: dict[str, list[tuple[float, float]]] = {"bare": [], "guarded": []}
     decode_ms: list[float] = []
     for p in run.reference_set():
-        ids = {"guarded": guarded.prompt_ids(p, run.cfg.max_tokens), "bare": bare.encode(p.prompt)}
+        ids = {cfg.name: cfg.prompt_ids(p, run.cfg.max_tokens) for cfg in (bare, guarded)}
         refs: dict[tuple[int, ...], list[int]] = {}
         for name in ("bare", "guarded"):
             key = tuple(ids[name])
@@ -456,9 +456,8 @@ def validate(cfg: ValidateConfig, out_dir: Path, show_progress: bool = True,
         for name in ("int4", "fp32", "w4a16"):
             if name in run.engines:
                 run.engines[name].close()
-        for key, value in run.engines.items():
-            if key.startswith("patched:"):
-                value[0].close()
+        for engine, _, _ in run.patched.values():
+            engine.close()
         for folder in run.cleanup:
             shutil.rmtree(folder, ignore_errors=True)
     results["elapsed_s"] = time.perf_counter() - t_start

@@ -39,6 +39,41 @@ def test_write_up_example_without_backup_gives_the_safe_fallback():
     assert store.rows()[0]["action"] == "stop:degraded"
 
 
+def test_a_finished_answer_runs_no_forward_pass_past_its_last_token():
+    """n tokens cost the prefill and n - 1 pushes: the last token is never pushed, on the ladder
+    and on the bare greedy loop alike, so neither pays for a row nobody reads."""
+    from qladder.validate.replay import greedy
+
+    def cycle(ids):
+        row = [0.0] * 8
+        row[1 + len(ids) % 7] = 9.0  # a 7-token cycle: no loop hazard within 5 tokens
+        return row
+
+    for run in (lambda e: Ladder([e]).generate([0], SamplingParams(max_tokens=5)).token_ids,
+                lambda e: greedy(e, [0], 5)):
+        engine = ScriptedEngine(cycle, 8, name="int4")
+        assert len(run(engine)) == 5
+        assert engine.steps == 5  # prefill + 4 pushes
+
+
+def test_return_after_handoff_catches_up_the_token_accepted_on_the_way():
+    """A policy handoff on a healthy token hands over the whole context, the token included."""
+    seen: list[list[int]] = []
+
+    def primary_fn(ids):
+        seen.append(list(ids))
+        return [0.0, math.nan, 9.0, 0.0]
+
+    primary = ScriptedEngine(primary_fn, 4, name="int4")
+    backup = ScriptedEngine(lambda ids: [0.0, 9.0, 0.0, 0.0], 4, name="fp32")
+    r = Ladder([primary, backup], LadderConfig(policy=LadderPolicy(return_after=2))).generate(
+        [3], SamplingParams(max_tokens=4))
+    assert r.token_ids[:2] == [1, 1] and r.token_rungs[:2] == ["fp32", "fp32"]
+    back = r.handoffs[1]
+    assert back.to_rung == "int4" and back.step == 2
+    assert seen[1] == [3, 1, 1]  # int4 caught up on the prompt and both fp32 tokens
+
+
 def test_a_loop_both_rungs_reproduce_ends_withheld_and_recorded():
     """The model's own loop (both rungs continue it): finish_reason repetition, one copy of the
     pattern kept, the rest of the loop never in the answer; one incident."""
@@ -284,6 +319,39 @@ def test_native_copy_stats_on_nan_and_inf_rows(tmp_path):
         np.testing.assert_array_equal(dst, a)
         guard_hazard = StepGuard().check(torch.from_numpy(dst), [], "int4", row_stats=tuple(out))
         assert guard_hazard is not None and guard_hazard.check == ("flat" if expect == "zero" else "nonfinite")
+
+
+@pytest.mark.parametrize("n", [49152, 1031, 17, 3])
+def test_native_copy_stats_match_numpy_on_long_rows(tmp_path, n):
+    """The vector-lane pass against float64 numpy, with a NaN or an Inf at every kind of position
+    (lane, block tail, scalar tail) and a finite row whose float partial sums overflow."""
+    import numpy as np
+
+    from qladder.engines.monitor import ActivationMonitor
+
+    m = ActivationMonitor(n_layer=2, n_embd=4, cache_dir=tmp_path)
+    rng = np.random.default_rng(n)
+
+    def stats(a):
+        dst, out = np.empty_like(a), np.zeros(3)
+        m.copy_stats(a.ctypes.data, dst.ctypes.data, a.size, out.ctypes.data)
+        np.testing.assert_array_equal(dst, a)
+        return out
+
+    a = (rng.standard_normal(n) * 8 + 3).astype(np.float32)
+    out = stats(a)
+    assert out[0] == pytest.approx(float(a.astype(np.float64).sum()), rel=1e-5, abs=1e-2)
+    assert (out[1], out[2]) == (float(a.max()), float(a.min()))
+    for pos in {0, n // 2, n - 1}:
+        for bad, expect_nan in ((np.nan, True), (np.inf, False), (-np.inf, False)):
+            b = a.copy()
+            b[pos] = bad
+            out = stats(b)
+            assert not math.isfinite(out[0])
+            assert math.isnan(out[1]) == expect_nan and math.isnan(out[2]) == expect_nan
+    big = np.full(n, 3e38, dtype=np.float32)  # finite; float sums overflow, the double one does not
+    out = stats(big)
+    assert out[0] == pytest.approx(3e38 * n, rel=1e-6) and out[1] == out[2] == pytest.approx(3e38, rel=1e-6)
 
 
 def test_corrupted_quantization_scale_in_a_gguf_copy_is_caught(tmp_path):

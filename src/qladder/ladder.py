@@ -1,9 +1,11 @@
 """The guarded decode loop: hazards caught before emission, rollback, mid-generation handoff.
 
     open rung 0 (prefill)
-    loop: row     = session.logits()          the step's logits, (V,) float32
+    loop: push the last accepted token        (deferred to here: a finished answer never pays
+                                               a forward pass whose row nobody reads)
+          row     = session.logits()          the step's logits, (V,) float32
           hazard  = guard.check(row, ...)     one host sync
-          ok     -> sample, accept, push       the token is emitted only now
+          ok     -> sample, accept             the token is emitted only now
           hazard -> drop the step, record an incident, ask the policy:
                     Handoff(j): close (or roll back) this rung's session, open rung j with
                                 prompt ids + accepted ids (token ids, never text), go on there
@@ -109,11 +111,11 @@ class _Run:
         self.rung = 0
         self.sessions: dict[int, Session] = {}
         self.shadow: WarmShadow | None = None
-        self.pending: Hazard | None = None  # a failure while pushing, reported at the next step
+        self.pending: Hazard | None = None  # a failure while opening a rung, reported at the next step
+        self.unpushed = False  # the last accepted token is not yet in the current rung's session
         self.pending_incidents: list[tuple[Incident, float]] = []  # waiting for handoff latency
         self.handoff_started: tuple[float, str, int, int, bool] | None = None
         self.streak = 0
-        self.push_s = 0.0
         self.t0 = ladder.clock()
         self.timings: dict[str, float] = {}
         self.step_ms: list[float] = []
@@ -201,26 +203,36 @@ class _Run:
                 return self.finish(FinishReason.STOP)
 
     def step(self) -> tuple[torch.Tensor | None, Hazard | None]:
-        """The current rung's row and the guard's verdict on it."""
+        """Push the last accepted token, then the current rung's row and the guard's verdict on it."""
         engine = self.L.engines[self.rung]
         name = engine.name
         step = len(self.accepted)
         if self.pending is not None:
             hazard, self.pending = self.pending, None
             return None, hazard
-        t = self.L.clock()
+        clock = self.L.clock
+        t = clock()
         session = self.sessions[self.rung]
         try:
+            if self.unpushed:
+                self.unpushed = False
+                # Costly monitors (int4's) sample decode steps; prefill and catch-up always run monitored.
+                cheap = getattr(engine, "monitor_is_cheap", True)
+                self.set_monitor(self.rung, cheap or step % self.L.config.guard.activation_every == 0)
+                session.push(self.accepted[-1])
             row = session.logits()
         except EngineError as exc:
             return None, Hazard("engine_error", name, step, detail=str(exc))
-        took = self.push_s + (self.L.clock() - t)
-        if took > self.L.config.guard.step_deadline_s:
-            return row, Hazard("deadline", name, step, took, self.L.config.guard.step_deadline_s,
-                               detail=f"step took {took * 1e3:.0f} ms")
-        peaks = getattr(engine, "activation_peaks", None) if self.monitored else None
-        rest = getattr(engine, "activation_rest_peaks", None) if self.monitored else None
-        limit = getattr(engine, "activation_limit", None)
+        took = clock() - t
+        deadline = self.L.config.guard.step_deadline_s
+        if took > deadline:
+            return row, Hazard("deadline", name, step, took, deadline, detail=f"step took {took * 1e3:.0f} ms")
+        if self.monitored:
+            peaks = getattr(engine, "activation_peaks", None)
+            rest = getattr(engine, "activation_rest_peaks", None)
+            limit = getattr(engine, "activation_limit", None)
+        else:
+            peaks = rest = limit = None
         stats_fn = getattr(session, "row_stats", None)  # computed with the engine's copy, if any
         stats = stats_fn() if stats_fn is not None else None
         return row, self.L.guard.check(row, self.accepted, name, peaks, limit, rest, stats)
@@ -236,20 +248,10 @@ class _Run:
         if self.shadow is not None:
             self.shadow.feed(self.context)
         action = self.L.config.policy.on_token(self.rung, self.streak, len(self.handoffs))
-        if isinstance(action, HandoffAction):
+        if isinstance(action, HandoffAction):  # the new rung opens on the whole context, token included
             self.move(action.to, keep=True, poisoned=False, started=self.L.clock())
             return
-        # Costly monitors (int4's) sample decode steps; prefill and catch-up are always monitored.
-        every = self.L.config.guard.activation_every
-        cheap = getattr(self.L.engines[self.rung], "monitor_is_cheap", True)
-        self.set_monitor(self.rung, cheap or len(self.accepted) % every == 0)
-        t = self.L.clock()
-        try:
-            self.sessions[self.rung].push(token)
-        except EngineError as exc:
-            self.pending = Hazard("engine_error", self.L.engines[self.rung].name, len(self.accepted),
-                                  detail=str(exc))
-        self.push_s = self.L.clock() - t
+        self.unpushed = True
 
     def on_hazard(self, hazard: Hazard, row: torch.Tensor | None) -> Stop | None:
         """Drop the step; record the hazard; carry out the policy's action."""
@@ -294,6 +296,7 @@ class _Run:
         self.drop(self.rung, keep, poisoned)
         self.set_monitor(j, True)
         self.rung, self.streak = j, 0
+        self.unpushed = False  # rung j opens on the whole context
         engine = self.L.engines[j]
         warm = j not in self.sessions and self.shadow is not None and self.shadow.engine is engine
         caught = 0
@@ -301,7 +304,6 @@ class _Run:
             caught = self.open(j)
         except EngineError as exc:
             self.pending = Hazard("engine_error", engine.name, len(self.accepted), detail=str(exc))
-        self.push_s = 0.0
         self.handoff_started = (started, from_name, j, caught, warm)
 
     def close_handoff(self, now: float) -> None:

@@ -43,7 +43,7 @@ def _build(cache_dir: Path) -> Path:
         raise EngineError("no C compiler found: the int4 activation monitor is unavailable")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp.so")
-    cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), f"-L{libdir}", "-lggml-base",
+    cmd = [cc, "-O3", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), f"-L{libdir}", "-lggml-base",
            f"-Wl,-rpath,{libdir}", "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -96,11 +96,12 @@ def greedy(engine: Engine, ids: Sequence[int], max_tokens: int, faults: Sequence
             s = FaultySession(s, step_faults, len(ids))
         try:
             while len(out) < max_tokens and len(ids) + len(out) < engine.n_ctx:
+                if out:  # pushed only when another row is wanted, as the ladder does
+                    s.push(out[-1])
                 tok = int(s.logits().argmax())
                 if tok in engine.eos_ids:
                     break
                 out.append(tok)
-                s.push(tok)
         finally:
             s.close()
         if timings is not None:

@@ -196,6 +196,7 @@ def method_blocks(r: dict[str, Any]) -> list[Block]:
             ["windows", f"{meth['rounds_normal']} rounds of {meth['prompts']['normal']} normal prompts; "
                         f"{meth['prompts']['abnormal']} abnormal prompts; max_tokens {cfg['max_tokens']}"],
             ["seeds", ", ".join(f"{k}={val}" for k, val in meth["seeds"].items())],
+            ["garbage collector", meth.get("gc", "on throughout")],
             ["failure paths seen", ", ".join(r["failure_paths_seen"])],
             ["incidents recorded", f"{r['incidents_recorded']} (incidents.sqlite3)"],
             ["peak RSS of the run", f"{env['peak_rss_mb_process']:.0f} MB"],

@@ -15,11 +15,13 @@ Phases, in order (one process, the engines loaded once and shared by every confi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,7 +103,8 @@ class Progress:
             from rich.progress import Progress as RichProgress
 
             self._p = RichProgress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-                                   TimeElapsedColumn(), console=Console(stderr=True), transient=False)
+                                   TimeElapsedColumn(), console=Console(stderr=True), transient=False,
+                                   refresh_per_second=2)  # its render thread: noise in the timings
             self._p.start()
             self._task = self._p.add_task("starting", total=total)
 
@@ -225,6 +228,26 @@ def patched_configs(run: Run, model: FaultModel, guarded: Guarded) -> tuple[Bare
     return b, g
 
 
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Python's cyclic collector paused for one timed request, as `timeit` does, and let run right
+    after it: a collection, slow because of the harness's own growing result set, is then not
+    billed to whichever configuration happened to trigger it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def timed(cfg: Bare | Guarded, p: Prompt, population: str, fault_name: str, faults: Sequence[Any],
+          params: Any) -> Outcome:
+    with paused_gc():
+        return cfg.run(p, population, fault_name, faults, params)
+
+
 def replay(run: Run, bare: Bare, guarded: Guarded, progress: Progress) -> dict[str, Any]:
     """Warm-up, normal rounds, fp32 reference, abnormal, faulted. Returns the agreement sections."""
     from qladder.sampling import SamplingParams
@@ -234,14 +257,16 @@ def replay(run: Run, bare: Bare, guarded: Guarded, progress: Progress) -> dict[s
     progress.phase("warm-up")
     for i in range(c.warmup):
         for cfg in (bare, guarded):
-            cfg.run(run.normal[i % len(run.normal)], "normal", "none", [], params)
+            timed(cfg, run.normal[i % len(run.normal)], "normal", "none", [], params)
             progress.tick()
+    gc.collect()
+    gc.freeze()  # engines, tokenizers and corpora: out of every later collection's way
     progress.phase("normal (bare vs guarded)")
     for r in range(c.rounds):
         for i, p in enumerate(run.normal):
             order = (bare, guarded) if (r + i) % 2 == 0 else (guarded, bare)
             for cfg in order:
-                o = cfg.run(p, "normal", "none", [], params)
+                o = timed(cfg, p, "normal", "none", [], params)
                 o.round = r
                 run.outcomes.append(o)
                 progress.tick()
@@ -249,14 +274,14 @@ def replay(run: Run, bare: Bare, guarded: Guarded, progress: Progress) -> dict[s
     progress.phase("abnormal (no fault)")
     for p in run.abnormal:
         for cfg in (bare, guarded):
-            run.outcomes.append(cfg.run(p, "abnormal", "none", [], params))
+            run.outcomes.append(timed(cfg, p, "abnormal", "none", [], params))
             progress.tick()
     progress.phase("faulted")
     for a in run.assignments():
         p = run.abnormal[a.prompt_index]
         pair = (bare, guarded) if a.model.gguf_patch is None else patched_configs(run, a.model, guarded)
         for cfg in pair:
-            run.outcomes.append(cfg.run(p, "abnormal", a.model.name, a.model.faults, params))
+            run.outcomes.append(timed(cfg, p, "abnormal", a.model.name, a.model.faults, params))
             progress.tick()
     return agreement_sections
 
@@ -451,6 +476,7 @@ def validate(cfg: ValidateConfig, out_dir: Path, show_progress: bool = True,
         results = assemble(run, env, agree, bounds, store.count())
         progress.tick()
     finally:
+        gc.unfreeze()  # frozen by replay(): hand those objects back to the collector
         progress.close()
         store.close()
         for name in ("int4", "fp32", "w4a16"):
@@ -489,7 +515,9 @@ def assemble(run: Run, env: dict[str, Any], agree: dict[str, Any], bounds: dict[
         "method": {"warmup_requests_per_config": run.cfg.warmup, "rounds_normal": run.cfg.rounds,
                    "seeds": {"sampling": run.cfg.seed, "corpus": "qladder.validate.corpora.SEED",
                              "simulation": run.cfg.seed},
-                   "sampling": "greedy", "prompts": {"normal": len(run.normal), "abnormal": len(run.abnormal)},
+                   "sampling": "greedy", "gc": "paused during each timed request (as timeit does), run between "
+                                               "them; objects alive after the warm-up frozen (gc.freeze)",
+                   "prompts": {"normal": len(run.normal), "abnormal": len(run.abnormal)},
                    "memory_note": "RSS of this process after loading and touching each engine (two greedy "
                                   "tokens): bare = after int4; guarded = after int4 and fp32 (w4a16, for "
                                   "the sweep only, is loaded last)"},

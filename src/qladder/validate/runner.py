@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qladder.model import user_prompt_ids
 from qladder.validate import queueing
@@ -34,6 +34,10 @@ from qladder.validate.environment import load_average, peak_rss_mb, rss_mb, snap
 from qladder.validate.fault_models import Assignment, FaultModel, assign, by_name
 from qladder.validate.replay import Bare, Guarded, Outcome, agreement, greedy
 from qladder.validate.stats import mean, paired_ratio, percentile, section
+
+if TYPE_CHECKING:
+    from qladder.faults import Fault
+    from qladder.sampling import SamplingParams
 
 QUICK_ABNORMAL = {"long_math": 2, "code_block": 2, "control_bytes": 2, "unicode_zero_width_bidi_homoglyph": 2,
                   "emoji_zwj": 2, "long_repeat": 2, "over_long": 1}
@@ -242,8 +246,9 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def timed(cfg: Bare | Guarded, p: Prompt, population: str, fault_name: str, faults: Sequence[Any],
-          params: Any) -> Outcome:
+def timed(cfg: Bare | Guarded, p: Prompt, population: str, fault_name: str, faults: Sequence[Fault],
+          params: SamplingParams) -> Outcome:
+    """One request through one configuration, with the collector paused."""
     with paused_gc():
         return cfg.run(p, population, fault_name, faults, params)
 

@@ -163,14 +163,18 @@ LEVELS: dict[str, LadderConfig | None] = {  # None: the naive greedy loop, no la
 
 
 def naive_steps(engine: Engine, ids: Sequence[int], n: int) -> list[float]:
-    """Greedy decoding of exactly n tokens with no guard instruments; the ms between accepted tokens."""
+    """Greedy decoding of exactly n tokens with no guard instruments; the ms between accepted tokens.
+    The last token is not pushed: the same forward passes as the ladder's (prefill + n - 1)."""
     instrument(engine, activations=False, row_stats=False)
     s = engine.open(list(ids))
     steps: list[float] = []
     try:
         last = None
+        tok = None
         for _ in range(n):
-            s.push(int(s.logits().argmax()))
+            if tok is not None:
+                s.push(tok)
+            tok = int(s.logits().argmax())
             now = time.perf_counter()
             if last is not None:
                 steps.append((now - last) * 1e3)

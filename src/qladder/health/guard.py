@@ -91,6 +91,7 @@ class StepGuard:
     def __init__(self, config: GuardConfig = GUARD_PRESETS["default"]):
         self.config = config
         self._outlier_bounds: dict[int, list[float]] = {}
+        self._outlier_bounds_on: dict[tuple[int, torch.device], torch.Tensor] = {}  # for device peaks
 
     def outlier_bounds(self, n_layer: int) -> list[float]:
         """The outlier bound of each of n_layer layers: the per-layer limits (capped by the
@@ -102,6 +103,13 @@ class StepGuard:
             self._outlier_bounds[n_layer] = ([min(v, ceiling) for v in per]
                                              if per is not None and len(per) == n_layer else [ceiling] * n_layer)
         return self._outlier_bounds[n_layer]
+
+    def outlier_bounds_on(self, n_layer: int, device: torch.device) -> torch.Tensor:
+        """`outlier_bounds` as a tensor on `device`, made once: not a host-to-device copy a step."""
+        key = (n_layer, device)
+        if key not in self._outlier_bounds_on:
+            self._outlier_bounds_on[key] = torch.tensor(self.outlier_bounds(n_layer), device=device)
+        return self._outlier_bounds_on[key]
 
     def check(
         self,
@@ -142,8 +150,7 @@ class StepGuard:
                 parts += _first_over(activation_peaks, limit)
                 if use_rest:
                     assert rest_peaks is not None
-                    bounds = torch.tensor(self.outlier_bounds(int(rest_peaks.numel())), device=rest_peaks.device)
-                    parts += _first_over(rest_peaks, bounds)
+                    parts += _first_over(rest_peaks, self.outlier_bounds_on(int(rest_peaks.numel()), rest_peaks.device))
             values = torch.stack(parts).tolist()  # the step's single host sync
             if reduce_row:
                 row_stats = (values[0], values[1], values[2])

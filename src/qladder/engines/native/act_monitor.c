@@ -66,6 +66,15 @@ static inline float hmax(const qf4 *v, int k, float peak) {
     return peak;
 }
 
+static inline float hmin(const qf4 *v, int k, float low) {
+    for (int a = 0; a < k; a++) {
+        for (int w = 0; w < 4; w++) {
+            low = v[a][w] < low ? v[a][w] : low;
+        }
+    }
+    return low;
+}
+
 static float absmax(const float *x, int64_t n, float peak) {
     const qi4 abs_mask = {0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
     qf4 lane[ACC];
@@ -182,12 +191,7 @@ void qladder_copy_stats(const float *src, float *dst, int64_t n, double *out) {
         }
     }
     float top = hmax(hi, ACC, -INFINITY);
-    float bottom = INFINITY;
-    for (int a = 0; a < ACC; a++) {
-        for (int w = 0; w < 4; w++) {
-            bottom = lo[a][w] < bottom ? lo[a][w] : bottom;
-        }
-    }
+    float bottom = hmin(lo, ACC, INFINITY);
     for (; i < n; i++) {
         float v = dst[i];
         total += v;

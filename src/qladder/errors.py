@@ -5,7 +5,9 @@
      ├── ModelError                  the model file is missing, corrupt, or of an unsupported architecture
      ├── InputError                  the request cannot be served as given (e.g. longer than the context)
      ├── TokenizerMismatchError      a handoff between engines whose tokenizers differ is refused
-     └── EngineError                 recoverable: one engine step failed (kernel error, bad state)
+     ├── EngineError                 recoverable: one engine step failed (kernel error, bad state)
+     ├── QueueFullError              admission refused, the queue is at its bound (HTTP 429)
+     └── EngineDeadError             fatal: a serving thread died; nothing more is served there
 
 Recoverable errors (EngineError) are caught by the ladder and become hazards; the others are
 raised to the caller before any token is produced.
@@ -36,3 +38,15 @@ class TokenizerMismatchError(QladderError):
 
 class EngineError(QladderError, RuntimeError):
     """An engine step failed; the session that raised it must not be trusted any more."""
+
+
+class QueueFullError(QladderError):
+    """Admission refused: the serving queue is at its bound (an HTTP server answers 429)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineDeadError(QladderError, RuntimeError):
+    """A serving engine's thread is gone: no request can be served by it any more (fatal)."""

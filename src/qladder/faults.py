@@ -93,6 +93,25 @@ def parse_fault(spec: str) -> Fault:
     return fault
 
 
+def fault_row(row: torch.Tensor, faults: Sequence[Fault], step: int) -> torch.Tensor:
+    """The row as the step faults active at `step` make it (the same tensor when none applies;
+    a copy otherwise). Raises EngineError for an injected kernel error. Stalls are not rows:
+    the caller applies them (a sleep, or a hang inside the engine)."""
+    for f in faults:
+        if step < f.step:
+            continue
+        if f.kind == "error":
+            raise EngineError(f"injected kernel error at step {step}")
+        if f.kind == "nan":
+            row = torch.full_like(row, float("nan"))
+        elif f.kind == "inf":
+            row = row.clone()
+            row[row.argmax()] = float("inf")
+        elif f.kind == "zero":
+            row = torch.zeros_like(row)
+    return row
+
+
 class FaultySession:
     """Wraps a session and corrupts its steps from `fault.step` on. Implements Session."""
 
@@ -116,21 +135,10 @@ class FaultySession:
         row = self._inner.logits()
         step = self._inner.n_tokens - self._prompt_len
         for f in self._faults:
-            if step < f.step:
-                continue
-            if f.kind == "error":
-                raise EngineError(f"injected kernel error at step {step}")
             if f.kind == "stall" and step == f.step and step not in self._stalled:
                 self._stalled.add(step)
                 self._sleep(f.stall_s)
-            elif f.kind == "nan":
-                row = torch.full_like(row, float("nan"))
-            elif f.kind == "inf":
-                row = row.clone()
-                row[row.argmax()] = float("inf")
-            elif f.kind == "zero":
-                row = torch.zeros_like(row)
-        return row
+        return fault_row(row, [f for f in self._faults if f.kind != "stall"], step)
 
     def push(self, token_id: int) -> None:
         self._inner.push(token_id)

@@ -24,7 +24,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -32,24 +31,17 @@ from qladder.engines import instrument
 from qladder.engines.base import Engine, Session, check_handoff
 from qladder.errors import EngineError, InputError
 from qladder.faults import Fault, FaultySession, engine_faults
-from qladder.health.guard import GUARD_PRESETS, GuardConfig, StepGuard
+from qladder.health.guard import StepGuard
 from qladder.health.repetition import loop_start
 from qladder.incidents import Incident, IncidentSink, prompt_hash
+from qladder.machine import LadderConfig
 from qladder.policy import Handoff as HandoffAction
-from qladder.policy import LadderPolicy, Stop
+from qladder.policy import Stop
 from qladder.sampling import Sampler, SamplingParams
 from qladder.shadow import WarmShadow
 from qladder.types import FALLBACK_TEXT, FinishReason, GenerationResult, Handoff, Hazard
 
 _log = logging.getLogger("qladder.incidents")
-
-
-@dataclass(frozen=True)
-class LadderConfig:
-    guard: GuardConfig = field(default_factory=lambda: GUARD_PRESETS["default"])
-    policy: LadderPolicy = field(default_factory=LadderPolicy)
-    warm_shadow: bool = False
-    shadow_sync_every: int = 16
 
 
 class Ladder:

@@ -13,6 +13,7 @@ class FinishReason(StrEnum):
     LENGTH = "length"  # max_tokens or the context was reached
     REPETITION = "repetition"  # the model's own loop, confirmed by the reference rung
     DEGRADED = "degraded"  # a hazard with no rung left: the safe fallback answer
+    ABORT = "abort"  # the client went away (or aborted): decoding stopped, the slot freed
 
 
 @dataclass(frozen=True)
@@ -88,3 +89,40 @@ class GenerationResult:
             "handoffs": [h.to_dict() for h in self.handoffs],
             "timings": self.timings,
         }
+
+
+# -- the events of one request, as a client receives them (qladder.serving) ---------------------------
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Tokens released to the client: ids, the rung that produced each, and their text (whole
+    characters only; see qladder.stream)."""
+
+    request_id: str
+    token_ids: list[int]
+    rungs: list[str]
+    text: str
+
+
+@dataclass(frozen=True)
+class HazardEvent:
+    request_id: str
+    hazard: Hazard
+
+
+@dataclass(frozen=True)
+class HandoffEvent:
+    request_id: str
+    handoff: Handoff
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    """The last event of every request: its result (text == the released text, token ids agree)."""
+
+    request_id: str
+    result: GenerationResult
+
+
+Event = TokenEvent | HazardEvent | HandoffEvent | FinalEvent

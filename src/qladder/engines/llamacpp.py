@@ -27,7 +27,52 @@ from qladder.errors import EngineError, InputError, ModelError
 from qladder.model import ModelInfo
 
 
-class LlamaCppEngine:
+class LlamaVocabMixin:
+    """Tokenizer of a llama-cpp-python model (`self.llm`), shared by the int4 engines."""
+
+    llm: object
+    info: ModelInfo
+    n_vocab: int
+    eos_ids: frozenset[int]
+    _lib: object
+    _vocab: object
+    _fingerprint: str | None
+    _pieces: list[bytes] | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            get = self._lib.llama_vocab_get_text  # type: ignore[attr-defined]
+            pieces = (get(self._vocab, i).decode("utf-8", "surrogateescape") for i in range(self.n_vocab))
+            self._fingerprint = tokenizer_fingerprint(
+                pieces, {"bos": self.info.bos_id, "eos": self.info.eos_id}
+            )
+        return self._fingerprint
+
+    def tokenize(self, text: str, special: bool) -> list[int]:
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InputError(f"text is not valid Unicode (lone surrogate at {exc.start}); sanitize it first") from exc
+        if not data:
+            return []
+        return list(self.llm.tokenize(data, add_bos=False, special=special))  # type: ignore[attr-defined]
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.detokenize_bytes(token_ids).decode("utf-8", "replace")
+
+    def detokenize_bytes(self, token_ids: Sequence[int]) -> bytes:
+        """The UTF-8 bytes of token ids, end-of-sequence ids left out; may end inside a character.
+        Each id's piece is looked up in a table made once (llama.cpp's detokenize concatenates the
+        same pieces: no leading-space rule applies to a byte-level BPE without BOS)."""
+        if self._pieces is None:
+            body = self.llm.detokenize  # type: ignore[attr-defined]
+            self._pieces = [body([i]) for i in range(self.n_vocab)]
+        pieces = self._pieces
+        return b"".join(pieces[t] for t in token_ids if t not in self.eos_ids)
+
+
+class LlamaCppEngine(LlamaVocabMixin):
     name = "int4"
     monitor_is_cheap = False  # a monitored step splits llama.cpp's graph at each layer output
 
@@ -86,30 +131,6 @@ class LlamaCppEngine:
         self._fingerprint: str | None = None
         self._owner: LlamaCppSession | None = None
         self._cvec: np.ndarray | None = None
-
-    # -- tokenizer ---------------------------------------------------------------------------
-    @property
-    def fingerprint(self) -> str:
-        if self._fingerprint is None:
-            get = self._lib.llama_vocab_get_text
-            pieces = (get(self._vocab, i).decode("utf-8", "surrogateescape") for i in range(self.n_vocab))
-            self._fingerprint = tokenizer_fingerprint(
-                pieces, {"bos": self.info.bos_id, "eos": self.info.eos_id}
-            )
-        return self._fingerprint
-
-    def tokenize(self, text: str, special: bool) -> list[int]:
-        try:
-            data = text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InputError(f"text is not valid Unicode (lone surrogate at {exc.start}); sanitize it first") from exc
-        if not data:
-            return []
-        return list(self.llm.tokenize(data, add_bos=False, special=special))
-
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        body = [t for t in token_ids if t not in self.eos_ids]
-        return self.llm.detokenize(body).decode("utf-8", "replace")
 
     def guard_row_stats(self, enabled: bool = True) -> None:
         """Compute the guard's row statistics while copying each logits row (native helper)."""

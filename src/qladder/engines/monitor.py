@@ -52,6 +52,11 @@ def _build(cache_dir: Path) -> Path:
     return out
 
 
+def load_native(cache_dir: Path) -> ctypes.CDLL:
+    """The native helpers, built once and cached. Raises EngineError without a C compiler."""
+    return ctypes.CDLL(str(_build(cache_dir)))
+
+
 class ActivationMonitor:
     """Holds the C state. `peaks`: per-layer max |hidden| over the batch; `rest_peaks`: the same
     without the sequence's first position (its massive activation is normal)."""
@@ -59,7 +64,7 @@ class ActivationMonitor:
     def __init__(self, n_layer: int, n_embd: int, cache_dir: Path):
         import llama_cpp
 
-        self._lib = ctypes.CDLL(str(_build(cache_dir)))
+        self._lib = load_native(cache_dir)
         self.peaks = np.zeros(n_layer, dtype=np.float32)
         self.rest_peaks = np.zeros(n_layer, dtype=np.float32)
         as_ptr = ctypes.POINTER(ctypes.c_float)

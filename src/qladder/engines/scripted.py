@@ -52,6 +52,9 @@ class ScriptedEngine:
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return "".join(chr(ord("a") + t) for t in token_ids if t not in self.eos_ids)
 
+    def detokenize_bytes(self, token_ids: Sequence[int]) -> bytes:
+        return self.detokenize(token_ids).encode("utf-8")
+
     def open(self, prompt_ids: Sequence[int]) -> ScriptedSession:
         if not prompt_ids:
             raise InputError("empty prompt")

@@ -206,3 +206,141 @@ void qladder_copy_stats(const float *src, float *dst, int64_t n, double *out) {
     out[1] = top;
     out[2] = bottom;
 }
+
+/* ---- Batched sequences: one llama_decode carrying tokens of several sequences (slots) ----------
+ *
+ * The same residual-stream peaks, kept per slot: the guard of one sequence sees its own peaks,
+ * never another's. The caller describes each batch before decoding it: the slot of every batch
+ * token, whether it is its sequence's position 0, and the slot of every output row (llama.cpp's
+ * last layer keeps only the rows whose logits are wanted, in batch order). A batch must fit one
+ * ubatch (n_tokens <= n_ubatch, unified KV: llama.cpp then keeps the batch's token order).
+ *
+ * Per-slot fault injection through the real kernels: a slot may carry a gain fault, a value added
+ * to one channel of one layer's output for that slot's rows only (llama.cpp's control vectors act
+ * on every sequence of a context). And an injected hang: a decode with `stall_ms` set waits inside
+ * the callback until `abort_flag` is raised or the time has passed; `qladder_abort` is the
+ * context's abort callback (polled by the CPU backend between graph nodes), so a watchdog that
+ * raises the flag ends a hung decode, which then returns 2 (aborted).
+ */
+#include <time.h>
+
+typedef struct {
+    int32_t enabled;        /* record peaks this decode (the callback still runs for faults/stalls) */
+    int32_t n_layer;
+    int32_t n_embd;
+    int32_t n_slots;
+    int32_t n_tokens;       /* tokens in the batch being decoded */
+    int32_t n_outputs;      /* of which rows with logits */
+    int32_t *tok_slot;      /* [n_batch] */
+    int32_t *tok_pos0;      /* [n_batch] */
+    int32_t *out_slot;      /* [n_batch] */
+    float *peaks;           /* [n_slots * n_layer] */
+    float *rest_peaks;      /* [n_slots * n_layer] */
+    int32_t *gain_layer;    /* [n_slots], -1: none */
+    int32_t *gain_channel;  /* [n_slots] */
+    float *gain_add;        /* [n_slots] */
+    int32_t any_gain;       /* whether some slot in this batch has a gain fault */
+    volatile int32_t abort_flag;
+    volatile int32_t stall_ms;  /* > 0: the next decode hangs (an injected fault), cleared when it ends */
+    int32_t _pad;
+} qladder_batch_monitor;
+
+bool qladder_abort(void *data) {
+    return ((volatile qladder_batch_monitor *)data)->abort_flag != 0;
+}
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+static void hang(qladder_batch_monitor *m) {
+    double until = now_ms() + m->stall_ms;
+    struct timespec nap = {0, 1000000}; /* 1 ms */
+    while (!m->abort_flag && now_ms() < until) {
+        nanosleep(&nap, NULL);
+    }
+    m->stall_ms = 0;
+}
+
+static void add_gains(qladder_batch_monitor *m, float *x, int64_t rows, int il, const int32_t *row_slot) {
+    for (int64_t r = 0; r < rows; r++) {
+        int s = row_slot[r];
+        if (s >= 0 && s < m->n_slots && m->gain_layer[s] == il) {
+            x[r * m->n_embd + m->gain_channel[s]] += m->gain_add[s];
+        }
+    }
+}
+
+bool qladder_batch_monitor_cb(struct ggml_tensor *t, bool ask, void *user_data) {
+    qladder_batch_monitor *m = (qladder_batch_monitor *)user_data;
+    const char *name = ggml_get_name(t);
+    bool is_out = strncmp(name, "l_out-", 6) == 0;
+    if (ask) {
+        if (m->stall_ms > 0 && is_out) {
+            hang(m);
+        }
+        return is_out && (m->enabled || m->any_gain);
+    }
+    if (!is_out) {
+        return true;
+    }
+    int il = atoi(name + 6);
+    int64_t n = ggml_nelements(t);
+    float *x = (float *)ggml_get_data(t);
+    if (il < 0 || il >= m->n_layer || x == NULL || m->n_embd <= 0 ||
+        ggml_nbytes(t) != (size_t)n * sizeof(float) || n % m->n_embd != 0) {
+        return true;
+    }
+    int64_t rows = n / m->n_embd;
+    const int32_t *row_slot;
+    const int32_t *row_pos0 = NULL;
+    if (rows == m->n_tokens) {
+        row_slot = m->tok_slot;
+        row_pos0 = m->tok_pos0;
+    } else if (rows == m->n_outputs) {
+        row_slot = m->out_slot;  /* the last layer: output rows only, never position 0 of a longer prompt */
+    } else {
+        return true;
+    }
+    if (m->any_gain) {
+        add_gains(m, x, rows, il, row_slot);
+    }
+    if (!m->enabled) {
+        return true;  /* never false: the scheduler would skip the rest of the split, silently */
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        int s = row_slot[r];
+        if (s < 0 || s >= m->n_slots) {
+            continue;
+        }
+        float v = absmax(x + r * m->n_embd, m->n_embd, 0.0f);
+        merge(&m->peaks[s * m->n_layer + il], v);
+        if (row_pos0 == NULL || !row_pos0[r]) {
+            merge(&m->rest_peaks[s * m->n_layer + il], v);
+        }
+    }
+    return true;
+}
+
+/* Index of the first maximum of a row (NaN counts as the maximum, as torch's argmax does): the
+ * greedy token, in one pass beside `qladder_copy_stats`. */
+int64_t qladder_argmax(const float *x, int64_t n) {
+    int64_t best = 0;
+    float top = x[0];
+    if (isnan(top)) {
+        return 0;
+    }
+    for (int64_t i = 1; i < n; i++) {
+        float v = x[i];
+        if (isnan(v)) {
+            return i;
+        }
+        if (v > top) {
+            top = v;
+            best = i;
+        }
+    }
+    return best;
+}

@@ -1,0 +1,308 @@
+"""One request's ladder logic as a state machine, stepped by whoever owns the engine it is on.
+
+The INT4 scheduler steps many machines with the rows of one batched decode; a standby worker
+steps one over a session of a full-precision rung. Both call the same four things:
+
+    hazard = m.judge(row, stats, peaks, rest, limit, took_s)    guard (+ deadline, + step faults)
+    ok     -> action = m.accept_row(row)     sample; stop strings, EOS, length; release text
+    hazard -> action = m.on_hazard(hazard, row)                 policy -> move / verify / stop
+    Verify(j): the driver opens rung j on m.context and calls m.on_verify(reproduced)
+
+Actions: `Continue` (push the accepted token next step), `MoveTo(j)` (continue on rung j, by
+token ids: the driver opens rung j on `m.context`), `Verify(j)` (a repetition hazard: does rung
+j continue the same loop?), `Done(result)`. The policy (`LadderPolicy`) stays pure; the machine
+records hazards, incidents and handoffs and emits the request's events; it never touches an
+engine, so one machine can move between threads (an ownership transfer, never shared).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from qladder.errors import EngineError
+from qladder.faults import Fault, fault_row
+from qladder.health.guard import GUARD_PRESETS, GuardConfig, StepGuard
+from qladder.health.repetition import loop_start
+from qladder.incidents import Incident, IncidentSink, prompt_hash
+from qladder.policy import Handoff as HandoffAction
+from qladder.policy import LadderPolicy, Stop
+from qladder.sampling import Sampler, SamplingParams
+from qladder.stream import TextStream, TokenBytes
+from qladder.types import (
+    FALLBACK_TEXT,
+    Event,
+    FinalEvent,
+    FinishReason,
+    GenerationResult,
+    Handoff,
+    HandoffEvent,
+    Hazard,
+    HazardEvent,
+    TokenEvent,
+)
+
+_log = logging.getLogger("qladder.incidents")
+
+
+@dataclass(frozen=True)
+class LadderConfig:
+    guard: GuardConfig = field(default_factory=lambda: GUARD_PRESETS["default"])
+    policy: LadderPolicy = field(default_factory=LadderPolicy)
+    warm_shadow: bool = False
+    shadow_sync_every: int = 16
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a client submits: token ids (already sanitized and templated) and how to sample."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    faults: tuple[Fault, ...] = ()  # test machinery: only where the operator allowed faults
+    prompt_text: str | None = None
+
+
+@dataclass(frozen=True)
+class Continue:
+    pass
+
+
+@dataclass(frozen=True)
+class MoveTo:
+    rung: int
+    poisoned: bool  # the current rung's last eval produced a bad row
+
+
+@dataclass(frozen=True)
+class Verify:
+    rung: int
+
+
+@dataclass(frozen=True)
+class Done:
+    result: GenerationResult
+
+
+Action = Continue | MoveTo | Verify | Done
+
+
+class RequestMachine:
+    """The state of one request on the ladder. Owned by one thread at a time."""
+
+    def __init__(self, request: Request, rungs: Sequence[str], n_ctx: Sequence[int], eos_ids: frozenset[int],
+                 token_bytes: TokenBytes, config: LadderConfig, guard: StepGuard,
+                 incidents: IncidentSink | None = None, emit: Callable[[Event], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.req = request
+        self.prompt = list(request.prompt_ids)
+        self.params = request.params
+        self.rungs = list(rungs)
+        self.n_ctx = list(n_ctx)
+        self.eos_ids = eos_ids
+        self.config = config
+        self.guard = guard
+        self.incidents = incidents
+        self.emit = emit or (lambda _e: None)
+        self.clock = clock
+        self.sampler = Sampler(request.params)
+        g = config.guard
+        self.stream = TextStream(token_bytes, request.params.stop,
+                                 g.repetition_max_period if g.check_repetition else 0)
+        self.token_rungs: list[str] = []
+        self.hazards: list[Hazard] = []
+        self.handoffs: list[Handoff] = []
+        self.rung = 0
+        self.streak = 0
+        self.pending_incidents: list[Incident] = []
+        self.handoff_started: tuple[float, str, int, int, bool] | None = None
+        self.t0 = clock()
+        self.timings: dict[str, float] = {}
+        self.step_ms: list[float] = []
+        self.last_accept: float | None = None
+        self.pending_hazard: Hazard | None = None  # the repetition hazard awaiting verification
+        self.pending_row_argmax: int | None = None
+        self.done: GenerationResult | None = None
+        self._stalled: set[int] = set()
+
+    # -- what drivers read ---------------------------------------------------------------------
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def accepted(self) -> list[int]:
+        return self.stream.ids
+
+    @property
+    def step(self) -> int:
+        """The index of the token about to be produced."""
+        return len(self.stream.ids)
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.stream.ids
+
+    def faults_here(self) -> list[Fault]:
+        """Step faults hit the first rung only (the INT4 engine under test)."""
+        return list(self.req.faults) if self.rung == 0 else []
+
+    def stall_due(self) -> float | None:
+        """Seconds an injected stall fault hangs this step on rung 0 (once), else None."""
+        for f in self.faults_here():
+            if f.kind == "stall" and f.step == self.step and self.step not in self._stalled:
+                self._stalled.add(self.step)
+                return f.stall_s
+        return None
+
+    # -- one step --------------------------------------------------------------------------------
+    def judge(self, row: torch.Tensor | None, stats: tuple[float, float, float] | None,
+              peaks: torch.Tensor | None, rest: torch.Tensor | None, limit: float | None,
+              took_s: float, error: str | None = None) -> tuple[torch.Tensor | None, Hazard | None]:
+        """The guard's verdict on this step's row (after the request's step faults, if any).
+        Returns the row to sample (possibly a faulted copy) and the hazard, or None."""
+        name = self.rungs[self.rung]
+        if error is not None:
+            return None, Hazard("engine_error", name, self.step, detail=error)
+        assert row is not None
+        faults = [f for f in self.faults_here() if f.kind != "stall"]
+        if faults:
+            try:
+                faulted = fault_row(row, faults, self.step)
+            except EngineError as exc:
+                return None, Hazard("engine_error", name, self.step, detail=str(exc))
+            if faulted is not row:
+                row, stats = faulted, None  # the engine's stats describe the unfaulted row
+        deadline = self.config.guard.step_deadline_s
+        if took_s > deadline:
+            return row, Hazard("deadline", name, self.step, took_s, deadline,
+                               detail=f"step took {took_s * 1e3:.0f} ms")
+        return row, self.guard.check(row, self.stream.ids, name, peaks, limit, rest, stats)
+
+    def accept_row(self, row: torch.Tensor, token: int | None = None) -> Action:
+        """A healthy row: sample it (or take the driver's greedy `token`), and accept the token."""
+        now = self.clock()
+        if "ttft_ms" not in self.timings:
+            self.timings["ttft_ms"] = (now - self.t0) * 1e3
+        self.close_handoff(now)
+        if token is None or not self.params.greedy:
+            token = self.sampler.sample(row)
+        if token in self.eos_ids and not self.params.ignore_eos:
+            return Done(self.finish(FinishReason.STOP))
+        if self.last_accept is not None:
+            self.step_ms.append((now - self.last_accept) * 1e3)
+        self.last_accept = now
+        self.stream.push(int(token))
+        self.token_rungs.append(self.rungs[self.rung])
+        self.streak += 1
+        self.release()
+        if self.stream.stopped_at is not None:
+            return Done(self.finish(FinishReason.STOP))
+        if self.step >= self.params.max_tokens or len(self.context) >= self.n_ctx[self.rung]:
+            return Done(self.finish(FinishReason.LENGTH))
+        action = self.config.policy.on_token(self.rung, self.streak, len(self.handoffs))
+        if isinstance(action, HandoffAction):
+            return MoveTo(action.to, poisoned=False)
+        return Continue()
+
+    def release(self, final: bool = False) -> None:
+        start = self.stream.released
+        n, text = self.stream.release(final)
+        if n:
+            self.emit(TokenEvent(self.request_id, self.stream.ids[start:start + n],
+                                 self.token_rungs[start:start + n], text))
+
+    def on_hazard(self, hazard: Hazard, row: torch.Tensor | None) -> Action:
+        """Drop the step; record the hazard; ask the policy (a repetition first asks the next rung)."""
+        self.close_handoff(self.clock())  # a handoff whose new rung failed before its first token
+        self.hazards.append(hazard)
+        self.emit(HazardEvent(self.request_id, hazard))
+        self.streak = 0
+        if hazard.check == "repetition" and row is not None and self.rung + 1 < len(self.rungs):
+            self.pending_hazard, self.pending_row_argmax = hazard, int(row.argmax())
+            return Verify(self.rung + 1)
+        return self.decide(hazard, None)
+
+    def on_verify(self, next_argmax: int | None) -> Action:
+        """The next rung's greedy token on the same context (None: it failed to say)."""
+        hazard, self.pending_hazard = self.pending_hazard, None
+        assert hazard is not None
+        reproduced = None if next_argmax is None else next_argmax == self.pending_row_argmax
+        return self.decide(hazard, reproduced)
+
+    def decide(self, hazard: Hazard, reproduced: bool | None) -> Action:
+        policy = self.config.policy
+        action = policy.on_hazard(hazard, self.rung, len(self.rungs), len(self.handoffs), reproduced)
+        label = (f"handoff:{self.rungs[action.to]}" if isinstance(action, HandoffAction)
+                 else f"stop:{action.reason}")
+        self.pending_incidents.append(Incident(
+            self.request_id, prompt_hash(self.prompt), self.prompt, self.req.prompt_text, hazard, label, None,
+            [str(f) for f in self.req.faults], time.time()))
+        if isinstance(action, Stop):
+            return Done(self.finish(action.reason, fallback=action.fallback))
+        return MoveTo(action.to, poisoned=True)
+
+    def moved(self, to: int, started: float, caught: int, warm: bool) -> None:
+        """The driver carried out a move: rung `to` holds the context (it evaluated `caught` ids)."""
+        self.handoff_started = (started, self.rungs[self.rung], to, caught, warm)
+        self.rung, self.streak = to, 0
+
+    def close_handoff(self, now: float) -> None:
+        if self.handoff_started is None:
+            return
+        started, from_name, j, caught, warm = self.handoff_started
+        self.handoff_started = None
+        latency_ms = (now - started) * 1e3
+        h = Handoff(from_name, self.rungs[j], self.step, latency_ms, caught, warm)
+        self.handoffs.append(h)
+        self.emit(HandoffEvent(self.request_id, h))
+        self.flush_incidents(latency_ms)
+
+    def flush_incidents(self, latency_ms: float | None) -> None:
+        pending, self.pending_incidents = self.pending_incidents, []
+        for inc in pending:
+            inc.handoff_latency_ms = latency_ms if inc.action.startswith("handoff") else None
+            if self.incidents is not None:
+                try:
+                    self.incidents(inc)
+                except Exception:  # a failing store must not fail the answer; the log keeps the record
+                    _log.exception("incident store failed; the incident: %s",
+                                   json.dumps(inc.to_dict(), default=str, ensure_ascii=True))
+
+    # -- endings ---------------------------------------------------------------------------------
+    def withhold_loop(self) -> None:
+        """An answer that ends on a repetition hazard keeps one copy of the repeated pattern."""
+        h = self.hazards[-1] if self.hazards else None
+        if h is None or h.check != "repetition" or h.value is None or h.step != self.step:
+            return
+        period = int(h.value)
+        keep = loop_start(self.stream.ids, period) + period
+        if keep < self.step:
+            self.stream.truncate(keep)
+
+    def finish(self, reason: FinishReason, fallback: bool = False) -> GenerationResult:
+        """End the request: release what is left (never a partial character), flush incidents,
+        emit the final event. Idempotent."""
+        if self.done is not None:
+            return self.done
+        self.close_handoff(self.clock())
+        self.withhold_loop()
+        self.release(final=True)
+        ids = self.stream.final_ids
+        text = self.stream.text
+        if fallback and not ids:
+            text = FALLBACK_TEXT
+        self.timings["total_ms"] = (self.clock() - self.t0) * 1e3
+        self.flush_incidents(None)
+        self.done = GenerationResult(text=text, token_ids=list(ids), token_rungs=self.token_rungs[:len(ids)],
+                                     finish_reason=reason, prompt_tokens=len(self.prompt),
+                                     hazards=list(self.hazards), handoffs=list(self.handoffs),
+                                     fallback=fallback, timings=dict(self.timings), step_ms=self.step_ms)
+        self.emit(FinalEvent(self.request_id, self.done))
+        return self.done

@@ -1,0 +1,221 @@
+"""The serving engine and the one client interface the CLI and the HTTP server depend on.
+
+    client = ServingEngine(ServingConfig(slots=8))        loads int4 (batched) + the standby
+    async for event in client.generate(request): ...       TokenEvent* (HazardEvent|HandoffEvent)* FinalEvent
+    client.abort(request_id)                               frees the slot at the next step
+    result = client.generate_sync(request)                 the same, blocking (the CLI)
+
+`EngineClient` is the protocol (the shape of vLLM's `EngineClient`: generate as an async iterator,
+abort by id); `ServingEngine` implements it in-process over the INT4 scheduler and the standby
+pool. A generator that is closed before its final event (a client that went away) aborts its
+request, so a disconnected client never keeps decoding.
+
+Fault injection is test machinery: a request that carries faults is refused unless the operator
+built the engine with `allow_faults=True`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from qladder.config import Settings
+from qladder.engines.base import Engine, check_handoff
+from qladder.engines.llamacpp_batch import BatchedLlamaCpp
+from qladder.errors import ConfigError, InputError
+from qladder.health.guard import StepGuard
+from qladder.incidents import IncidentSink
+from qladder.machine import LadderConfig, MoveTo, Request, RequestMachine
+from qladder.model import ModelInfo, inspect_model
+from qladder.serving.aborts import AbortRegistry
+from qladder.serving.scheduler import Int4Scheduler, SchedulerConfig
+from qladder.serving.standby import StandbyPool
+from qladder.types import Event, FinalEvent, GenerationResult
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What a front end (CLI, HTTP server) needs from the serving engine, and nothing more."""
+
+    def generate(self, request: Request) -> AsyncIterator[Event]:
+        """Events of one request, ending with its FinalEvent. Raises QueueFullError at submit."""
+        ...
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; its slot is freed at the next scheduler step. False if not in flight."""
+        ...
+
+    @property
+    def ready(self) -> bool:
+        """Engines loaded and the INT4 pool healthy."""
+        ...
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    slots: int = 8  # INT4 sequences decoded together (llama.cpp n_seq_max)
+    n_ctx: int = 2048  # per slot
+    int4_threads: int = 1  # 2 cores: one for the INT4 pool...
+    standby_threads: int = 1  # ...one for the standby
+    standby_rungs: tuple[str, ...] = ("fp32",)
+    standby_sessions: int = 4  # handoffs stepped at once; more wait in a FIFO queue
+    standby_queue: int = 256
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    ladder: LadderConfig = field(default_factory=LadderConfig)
+    allow_faults: bool = False  # operators and test harnesses only; a client can never switch it on
+
+
+class ServingEngine:
+    """INT4 pool (batched llama.cpp, one scheduler thread) + standby (one worker thread)."""
+
+    def __init__(self, config: ServingConfig | None = None, model: ModelInfo | str | None = None,
+                 settings: Settings | None = None, incidents: IncidentSink | None = None,
+                 standby_engines: Sequence[Engine] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        import torch
+
+        self.config = c = config or ServingConfig()
+        self.settings = s = settings or Settings.from_env()
+        self.info = model if isinstance(model, ModelInfo) else inspect_model(model, s.cache_dir)
+        self.incidents = incidents
+        self.clock = clock
+        torch.set_num_threads(c.standby_threads)  # torch runs the standby (and tiny guard ops)
+        self.int4 = BatchedLlamaCpp(self.info, n_slots=c.slots, n_ctx=c.n_ctx, n_threads=c.int4_threads,
+                                    native_dir=s.cache_dir if s.int4_monitor else None)
+        if standby_engines is None:
+            from qladder.engines import load_engine
+
+            std = Settings(s.cache_dir, c.standby_threads, c.n_ctx, s.int4_monitor)
+            standby_engines = [load_engine(r, self.info, std) for r in c.standby_rungs]
+        for e in standby_engines:
+            check_handoff(self.int4, e)  # type: ignore[arg-type]
+        self.standby_engines = list(standby_engines)
+        self.rungs = [self.int4.name, *(e.name for e in self.standby_engines)]
+        self.n_ctx = [c.n_ctx, *(e.n_ctx for e in self.standby_engines)]
+        self.guard = StepGuard(c.ladder.guard)
+        self.aborts = AbortRegistry()
+        check = c.ladder.guard.check_activations or c.ladder.guard.check_logits
+        self.standby = StandbyPool({i + 1: e for i, e in enumerate(self.standby_engines)}, self.aborts,
+                                   c.standby_sessions, c.standby_queue, on_return=self._return, clock=clock) \
+            if self.standby_engines else None
+        self.scheduler = Int4Scheduler(self.int4, self.standby, self.aborts, c.scheduler,
+                                       monitor=c.ladder.guard.check_activations, row_stats=check, clock=clock)
+
+    # -- the client interface --------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.scheduler.healthy
+
+    def request(self, prompt_ids: Sequence[int], params: object = None, request_id: str | None = None,
+                faults: Sequence[object] = (), prompt_text: str | None = None) -> Request:
+        """A Request with a fresh id (token ids already sanitized and templated)."""
+        from qladder.sampling import SamplingParams
+
+        return Request(request_id or uuid.uuid4().hex[:16], tuple(int(t) for t in prompt_ids),
+                       params if isinstance(params, SamplingParams) else SamplingParams(),
+                       tuple(faults), prompt_text)  # type: ignore[arg-type]
+
+    def _check(self, r: Request) -> None:
+        if r.faults and not self.config.allow_faults:
+            raise ConfigError("fault injection is disabled on this engine (allow_faults is off)")
+        if not r.prompt_ids:
+            raise InputError("empty prompt")
+        if len(r.prompt_ids) >= min(self.n_ctx):
+            raise InputError(f"prompt of {len(r.prompt_ids)} tokens does not fit the context of "
+                             f"{min(self.n_ctx)}; truncate it (qladder.sanitize) or raise n_ctx")
+        if any(not 0 <= t < self.int4.n_vocab for t in r.prompt_ids):
+            raise InputError(f"token ids must be in [0, {self.int4.n_vocab})")
+        if any(f.kind == "gain" for f in r.faults):
+            raise ConfigError("gain faults are not served by the batched int4 pool yet; use the ladder CLI")
+
+    def _submit(self, r: Request, emit: Callable[[Event], None]) -> None:
+        self._check(r)
+        self.aborts.start(r.request_id)
+
+        def deliver(ev: Event) -> None:
+            if isinstance(ev, FinalEvent):
+                self.aborts.end(r.request_id)
+            emit(ev)
+
+        m = RequestMachine(r, self.rungs, self.n_ctx, self.int4.eos_ids, self.int4.detokenize_bytes,
+                           self.config.ladder, self.guard, self.incidents, deliver, self.clock)
+        try:
+            if self.scheduler.healthy or self.standby is None:
+                self.scheduler.submit(m)
+            else:  # the INT4 pool is unhealthy (a stall, no probe through yet): route to the standby
+                self.standby.submit(m, MoveTo(1, poisoned=False), self.clock())
+        except BaseException:
+            self.aborts.end(r.request_id)
+            raise
+
+    def _return(self, m: RequestMachine, started: float) -> None:
+        self.scheduler.resubmit(m, started)
+
+    async def generate(self, request: Request) -> AsyncIterator[Event]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[Event] = asyncio.Queue()
+
+        def emit(ev: Event) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: the request is aborted
+                loop.call_soon_threadsafe(q.put_nowait, ev)
+
+        self._submit(request, emit)
+        finished = False
+        try:
+            while True:
+                ev = await q.get()
+                finished = isinstance(ev, FinalEvent)
+                yield ev
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    def stream_sync(self, request: Request) -> Iterator[Event]:
+        q: queue.Queue[Event] = queue.Queue()
+        self._submit(request, q.put)
+        finished = False
+        try:
+            while not finished:
+                ev = q.get()
+                finished = isinstance(ev, FinalEvent)
+                yield ev
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    def generate_sync(self, request: Request) -> GenerationResult:
+        for ev in self.stream_sync(request):
+            if isinstance(ev, FinalEvent):
+                return ev.result
+        raise AssertionError("unreachable: every request ends with a FinalEvent")
+
+    def abort(self, request_id: str) -> bool:
+        found = self.aborts.abort(request_id)
+        if found:
+            self.scheduler.wake()
+        return found
+
+    # -- state for metrics -------------------------------------------------------------------------
+    def stats(self) -> dict[str, object]:
+        return {"slots": self.int4.n_slots, "slots_in_use": self.scheduler.slots_in_use,
+                "queue_depth": self.scheduler.depth, "healthy": self.scheduler.healthy,
+                "steps": self.scheduler.steps, "stalls": self.scheduler.stalls,
+                "standby_depth": self.standby.depth if self.standby else 0,
+                "standby_active": self.standby.active if self.standby else 0, "live": self.aborts.live}
+
+    def close(self) -> None:
+        self.scheduler.close()
+        if self.standby is not None:
+            self.standby.close()
+        self.int4.close()
+        for e in self.standby_engines:
+            e.close()
+

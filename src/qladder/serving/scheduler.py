@@ -1,0 +1,365 @@
+"""The INT4 pool's scheduler: one thread owns the batched llama.cpp context (vLLM's engine core).
+
+Each iteration:
+    take new requests and aborts from the inbox; admit waiting requests into free slots (FIFO)
+    one llama_decode of the last accepted token of every decoding slot (monitored every
+      `activation_every` steps), then one of a prefill chunk (`prefill_chunk` tokens, always
+      monitored) of at most one prefilling slot, so a long prompt never stalls the others for
+      more than one chunk a step
+    per row: the request's machine judges its own row (guard, step faults) and acts:
+      Continue -> the token is pushed next step; MoveTo/Verify -> the request leaves for the
+      standby (its slot is freed); Done -> the slot is freed
+A hazard in one row drops only that row's step: the other rows go on.
+
+Exactness (measured here, 1 thread): with one KV stream per slot, a sequence decoded in a batch
+gives bit-identical logits to the same sequence decoded alone, and a prompt prefilled in chunks
+gives the same row as one prefill (see llamacpp_batch for what breaks it in a unified buffer).
+
+The watchdog (a second thread) sees a decode that runs past its deadline while it hangs: it
+claims the batch's requests (under `_flight_lock`, the only state both threads touch), raises
+the engine's abort flag (llama.cpp polls it between graph nodes), and hands every claimed request
+to the standby with a `deadline` hazard. The scheduler, when the decode returns, discards its
+results for claimed requests, frees their slots, and runs a one-token probe before it serves
+again; until a probe succeeds the pool is unhealthy (`healthy` is False).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
+from qladder.errors import EngineError, QueueFullError
+from qladder.machine import Action, Continue, Done, MoveTo, RequestMachine, Verify
+from qladder.serving.aborts import AbortRegistry
+from qladder.serving.standby import StandbyPool
+from qladder.types import FinishReason, Hazard
+
+_log = logging.getLogger("qladder.scheduler")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_queue: int = 64  # waiting requests beyond the slots; more is a QueueFullError (429)
+    prefill_chunk: int = 128  # prompt tokens per batch for one prefilling request
+    activation_every: int = 32  # decode steps between monitored batches (prefill chunks always)
+    deadline_s: float = 2.0  # a decode past deadline_s + per-token allowance is a stall
+    deadline_per_token_s: float = 0.02
+    watchdog_tick_s: float = 0.01
+    probe_every_s: float = 1.0  # while unhealthy, a one-token probe this often
+
+
+@dataclass
+class _Slot:
+    m: RequestMachine
+    slot: int
+    n_past: int = 0  # positions of this slot in the KV cache
+    feed: list[int] = field(default_factory=list)  # ids still to evaluate (prompt, catch-up)
+    started: float = 0.0  # for a request returned from the standby: when the return began
+    returning: bool = False
+
+
+@dataclass
+class _Flight:
+    """The decode in progress, as the watchdog sees it."""
+
+    step: int
+    started: float
+    deadline_s: float
+    slots: list[_Slot]
+    claimed: bool = False
+
+
+class Int4Scheduler:
+    def __init__(self, engine: BatchedLlamaCpp, standby: StandbyPool | None, aborts: AbortRegistry,
+                 config: SchedulerConfig | None = None, monitor: bool = True, row_stats: bool = True,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.engine = engine
+        self.standby = standby
+        self.aborts = aborts
+        self.config = config or SchedulerConfig()
+        self.monitor = monitor and engine.has_native
+        self.row_stats = row_stats
+        self.clock = clock
+        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._waiting: deque[_Slot] = deque()  # admitted to the queue, not yet in a slot
+        self._count_lock = threading.Lock()
+        self._n_waiting = 0  # requests in the pool (waiting or in a slot), behind _count_lock
+        self._slots: dict[int, _Slot] = {}
+        self._free = list(range(engine.n_slots))
+        self._flight_lock = threading.Lock()
+        self._flight: _Flight | None = None
+        self._wake = threading.Event()
+        self._stop = False
+        self.healthy = True
+        self._last_probe = 0.0
+        self.steps = 0
+        self.stalls = 0
+        self._thread = threading.Thread(target=self._run, name="qladder-int4", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="qladder-watchdog", daemon=True)
+        self._thread.start()
+        self._watchdog.start()
+
+    # -- any thread --------------------------------------------------------------------------------
+    def submit(self, m: RequestMachine) -> None:
+        """Queue a request (the caller gives its machine up). Raises QueueFullError."""
+        with self._count_lock:
+            if self._n_waiting >= self.config.max_queue + self.engine.n_slots:
+                raise QueueFullError(f"{self._n_waiting} requests waiting for the int4 pool", retry_after_s=1.0)
+            self._n_waiting += 1
+        self._inbox.put(("new", m))
+        self._wake.set()
+
+    def resubmit(self, m: RequestMachine, started: float) -> None:
+        """A request the standby hands back to rung 0 (policy `return_after`)."""
+        self._inbox.put(("return", (m, started)))
+        self._wake.set()
+
+    def wake(self) -> None:
+        """An abort was registered: look at it at the next step."""
+        self._wake.set()
+
+    @property
+    def slots_in_use(self) -> int:
+        return self.engine.n_slots - len(self._free)
+
+    @property
+    def depth(self) -> int:
+        return max(self._n_waiting - self.slots_in_use, 0)
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self._watchdog.join(timeout=5)
+
+    # -- the scheduler thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._take_inbox()
+                self._drop_aborted()
+                if not self.healthy and self.clock() - self._last_probe > self.config.probe_every_s:
+                    self._probe()
+                self._admit()
+                if not self._slots:
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
+                    continue
+                self._step()
+        finally:
+            for s in [*self._slots.values(), *self._waiting]:
+                s.m.finish(FinishReason.ABORT)
+            self._slots.clear()
+            self._waiting.clear()
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "new":
+                assert isinstance(item, RequestMachine)
+                self._waiting.append(_Slot(item, -1, feed=list(item.prompt)))
+            else:
+                m, started = item  # type: ignore[misc]
+                self._count(+1)
+                self._waiting.appendleft(_Slot(m, -1, feed=m.context, started=started, returning=True))
+
+    def _drop_aborted(self) -> None:
+        for s in [s for s in self._waiting if self.aborts.is_aborted(s.m.request_id)]:
+            self._waiting.remove(s)
+            self._count(-1)
+            s.m.finish(FinishReason.ABORT)
+        for s in [s for s in self._slots.values() if self.aborts.is_aborted(s.m.request_id)]:
+            self._release(s)
+            s.m.finish(FinishReason.ABORT)
+
+    def _admit(self) -> None:
+        while self._waiting and self._free and self.healthy:
+            s = self._waiting.popleft()
+            s.slot = self._free.pop(0)
+            self.engine.truncate(s.slot, 0)
+            self._slots[s.slot] = s
+
+    def _release(self, s: _Slot) -> None:
+        """Free a slot at once: its KV removed, the slot reusable by the next step's admission."""
+        if self._slots.get(s.slot) is s:
+            del self._slots[s.slot]
+            self.engine.truncate(s.slot, 0)
+            self._free.append(s.slot)
+            self._count(-1)
+
+    def _count(self, d: int) -> None:
+        with self._count_lock:
+            self._n_waiting += d
+
+    def _plan(self) -> tuple[list[Entry], list[_Slot], _Slot | None]:
+        """Decode rows (one token each, every decoding slot) and at most one prefilling slot."""
+        entries, batch = [], []
+        prefilling = None
+        for s in self._slots.values():
+            if len(s.feed) > 1 or (s.feed and s.n_past == 0):
+                if prefilling is None:
+                    prefilling = s  # one prefill chunk a step (see the module docstring)
+                continue
+            if s.feed:
+                entries.append(Entry(s.slot, s.feed, s.n_past))
+                batch.append(s)
+        return entries, batch, prefilling
+
+    def _step(self) -> None:
+        """One scheduler step: a decode of every decoding row, then one prefill chunk alone
+        (llama.cpp decodes a prompt apart from other sequences' rows: see llamacpp_batch)."""
+        entries, batch, prefilling = self._plan()
+        monitor = self.monitor and self.steps % self.config.activation_every == 0
+        if entries:
+            self._run_batch(entries, batch, monitor)
+        if prefilling is not None and prefilling.slot in self._slots:
+            chunk = prefilling.feed[: self.config.prefill_chunk]
+            last = len(chunk) == len(prefilling.feed)
+            self._run_batch([Entry(prefilling.slot, chunk, prefilling.n_past, logits=last)], [prefilling],
+                            self.monitor)  # prompt-triggered outliers show at prefill: always monitored
+        self.steps += 1
+
+    def _run_batch(self, entries: list[Entry], batch: list[_Slot], monitor: bool) -> None:
+        cfg = self.config
+        for e, s in zip(entries, batch, strict=True):
+            stall = s.m.stall_due() if e.logits else None
+            if stall is not None:
+                if self.engine.has_native:
+                    self.engine.arm_stall(int(stall * 1e3))
+                else:  # no native helpers: a hang in Python, still inside the watched window
+                    self._arm_python_stall(stall)
+        n_tokens = sum(len(e.ids) for e in entries)
+        flight = _Flight(self.steps, self.clock(), cfg.deadline_s + cfg.deadline_per_token_s * n_tokens, batch)
+        with self._flight_lock:
+            self._flight = flight
+        error: str | None = None
+        try:
+            self._python_stall()
+            self.engine.decode(entries, monitor=monitor, row_stats=self.row_stats)
+        except EngineError as exc:
+            error = str(exc)
+        with self._flight_lock:
+            self._flight = None
+            claimed = flight.claimed
+        if claimed:  # the watchdog moved these requests while the decode hung: discard its results
+            for s in batch:
+                self._release(s)
+            self.engine.clear_abort()
+            self._probe()
+            return
+        for e, s in zip(entries, batch, strict=True):
+            s.n_past += len(e.ids)
+            del s.feed[: len(e.ids)]
+            if not e.logits and error is None:
+                continue
+            self._on_row(s, error, monitor)
+
+    def _on_row(self, s: _Slot, error: str | None, monitored: bool) -> None:
+        m, eng = s.m, self.engine
+        base = None
+        if error is not None:  # a failed decode: every row of the batch leaves
+            row, hazard = m.judge(None, None, None, None, None, 0.0, error=error)
+        else:
+            peaks, rest = eng.peaks(s.slot) if monitored else (None, None)
+            base = eng.row(s.slot)
+            row, hazard = m.judge(base, eng.row_stats(s.slot), peaks, rest,
+                                  eng.activation_limit if monitored else None, 0.0)
+        if s.returning:
+            s.returning = False
+            m.moved(0, s.started, m.step + len(m.prompt), warm=False)
+        if hazard is not None:
+            self._leave(s, m.on_hazard(hazard, row), self.clock())
+            return
+        assert row is not None
+        # Greedy on an unfaulted row: the native argmax (first maximum, as torch's) saves ~25 us.
+        token = eng.argmax(s.slot) if m.params.greedy and row is base else None
+        action = m.accept_row(row, token)
+        if isinstance(action, Continue):
+            s.feed = [m.accepted[-1]]
+            return
+        self._leave(s, action, self.clock())
+
+    def _leave(self, s: _Slot, action: Action, started: float) -> None:
+        """The request leaves the pool: done, or to the standby (its slot freed either way)."""
+        self._release(s)
+        if isinstance(action, Done):
+            return
+        assert isinstance(action, (MoveTo, Verify))
+        self._to_standby(s.m, action, started)
+
+    def _to_standby(self, m: RequestMachine, action: Action, started: float) -> None:
+        if self.standby is None:
+            m.finish(FinishReason.DEGRADED, fallback=True)
+            return
+        try:
+            self.standby.submit(m, action, started)
+        except QueueFullError:  # nothing is lost: the request ends with the explicit fallback
+            m.finish(FinishReason.DEGRADED, fallback=True)
+
+    def _probe(self) -> None:
+        """One token on a free slot, under the watchdog: healthy again when it completes in time."""
+        self.healthy = False
+        self._last_probe = self.clock()
+        if not self._free:
+            return
+        slot = self._free[0]
+        flight = _Flight(self.steps, self.clock(), self.config.deadline_s, [])
+        with self._flight_lock:
+            self._flight = flight
+        try:
+            self.engine.decode([Entry(slot, [self.engine.info.bos_id], 0)])
+            ok = True
+        except EngineError:
+            ok = False
+        with self._flight_lock:
+            self._flight = None
+            ok = ok and not flight.claimed
+        self.engine.truncate(slot, 0)
+        self.engine.clear_abort()
+        self.healthy = ok
+
+    # -- injected stalls without the native helpers ----------------------------------------------
+    _py_stall_s: float = 0.0
+
+    def _arm_python_stall(self, seconds: float) -> None:
+        self._py_stall_s = seconds
+
+    def _python_stall(self) -> None:
+        if self._py_stall_s > 0:
+            end = self.clock() + self._py_stall_s
+            self._py_stall_s = 0.0
+            while self.clock() < end and not (self._flight and self._flight.claimed):
+                time.sleep(0.005)
+
+    # -- the watchdog thread -----------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop:
+            time.sleep(self.config.watchdog_tick_s)
+            with self._flight_lock:
+                f = self._flight
+                if f is None or f.claimed or self.clock() - f.started <= f.deadline_s:
+                    continue
+                f.claimed = True  # from here the scheduler never touches these requests again
+                took = self.clock() - f.started
+            self.stalls += 1
+            self.healthy = False
+            self.engine.abort()
+            for s in f.slots:
+                m = s.m
+                if self.aborts.is_aborted(m.request_id):
+                    m.finish(FinishReason.ABORT)
+                    continue
+                hazard = Hazard("deadline", m.rungs[m.rung], m.step, took, f.deadline_s,
+                                detail=f"int4 step hung for {took * 1e3:.0f} ms (watchdog)")
+                action = m.on_hazard(hazard, None)
+                if not isinstance(action, Done):
+                    self._to_standby(m, action, self.clock())

@@ -1,0 +1,212 @@
+"""The shared standby: full-precision rungs serving the handoffs of every request.
+
+One worker thread owns the standby's engines (a torch rung's activation hooks write into buffers
+of the engine, so one thread steps them). It keeps at most `max_sessions` requests open and
+steps them round-robin, one decode step each, so every handed-off request progresses; further
+handoffs wait in a FIFO queue instead of oversubscribing the cores (2 cores: the INT4 pool on
+one, the standby on the other). A request arrives as its `RequestMachine` (an ownership
+transfer: the sender never touches it again) with the action to carry out: `MoveTo(j)` or
+`Verify(j)`. A policy return to rung 0 (`return_after`) hands the machine back to `on_return`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from qladder.engines.base import Engine, Session
+from qladder.errors import EngineError, QueueFullError
+from qladder.machine import Action, Continue, Done, MoveTo, RequestMachine, Verify
+from qladder.serving.aborts import AbortRegistry
+from qladder.types import FinishReason, Hazard
+
+_log = logging.getLogger("qladder.standby")
+
+
+@dataclass
+class _Task:
+    m: RequestMachine
+    action: Action
+    started: float  # when the hazard (or policy move) that sent it here happened
+    enqueued: float
+    session: Session | None = None
+    unpushed: bool = False
+    opened: list[float] = field(default_factory=list)
+
+
+class StandbyPool:
+    """Rungs 1.. of the ladder (`engines[j]` for rung j), stepped by one worker thread."""
+
+    def __init__(self, engines: Mapping[int, Engine], aborts: AbortRegistry, max_sessions: int = 4,
+                 max_queue: int = 256, on_return: Callable[[RequestMachine, float], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.engines = dict(engines)
+        self.aborts = aborts
+        self.max_sessions = max_sessions
+        self.on_return = on_return
+        self.clock = clock
+        self._inbox: queue.Queue[_Task | None] = queue.Queue(maxsize=max_queue)
+        self._waiting: deque[_Task] = deque()
+        self._active: list[_Task] = []
+        self.waits_ms: deque[float] = deque(maxlen=1024)  # queue wait of recent handoffs
+        self._thread = threading.Thread(target=self._run, name="qladder-standby", daemon=True)
+        for e in self.engines.values():
+            monitor = getattr(e, "monitor_activations", None)
+            if monitor is not None:
+                monitor(True)  # owned by this pool from here on: handoffs are always monitored
+        self._thread.start()
+
+    # -- any thread ------------------------------------------------------------------------------
+    def submit(self, m: RequestMachine, action: Action, started: float) -> None:
+        """Take over a request (the caller gives it up). Raises QueueFullError when full."""
+        try:
+            self._inbox.put_nowait(_Task(m, action, started, self.clock()))
+        except queue.Full:
+            raise QueueFullError("the standby's queue is full") from None
+
+    @property
+    def depth(self) -> int:
+        return self._inbox.qsize() + len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def close(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+
+    # -- the worker thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            block = not self._active and not self._waiting
+            try:
+                while True:
+                    t = self._inbox.get(block=block, timeout=None)
+                    block = False
+                    if t is None:
+                        self._shutdown()
+                        return
+                    self._waiting.append(t)
+            except queue.Empty:
+                pass
+            while self._waiting and len(self._active) < self.max_sessions:
+                t = self._waiting.popleft()
+                self.waits_ms.append((self.clock() - t.enqueued) * 1e3)
+                self._active.append(t)
+            for t in list(self._active):
+                try:
+                    finished = self._advance(t)
+                except Exception:  # a bug in our own code: the request still gets an answer
+                    _log.exception("standby failed on request %s", t.m.request_id)
+                    self._close(t)
+                    t.m.finish(FinishReason.DEGRADED, fallback=True)
+                    finished = True
+                if finished:
+                    self._active.remove(t)
+
+    def _shutdown(self) -> None:
+        for t in [*self._active, *self._waiting]:
+            self._close(t)
+            t.m.finish(FinishReason.ABORT)
+        self._active.clear()
+        self._waiting.clear()
+
+    def _close(self, t: _Task) -> None:
+        if t.session is not None:
+            with contextlib.suppress(Exception):
+                t.session.close()
+            t.session = None
+
+    def _advance(self, t: _Task) -> bool:
+        """One unit of work on a task: open a rung, or one decode step. True when it is done."""
+        m = t.m
+        if self.aborts.is_aborted(m.request_id):
+            self._close(t)
+            m.finish(FinishReason.ABORT)
+            return True
+        if isinstance(t.action, Done):
+            self._close(t)
+            return True
+        if isinstance(t.action, (MoveTo, Verify)):
+            return self._carry_out(t)
+        return self._step(t)
+
+    def _carry_out(self, t: _Task) -> bool:
+        m, action = t.m, t.action
+        assert isinstance(action, (MoveTo, Verify))
+        j = action.rung
+        if j == 0:  # the policy returns to the INT4 pool
+            self._close(t)
+            if self.on_return is None:
+                t.action = Continue()
+                return False
+            self.on_return(m, t.started)
+            return True
+        engine = self.engines[j]
+        same = t.session is not None and m.rung == j  # opened by a Verify on this rung already
+        if isinstance(action, MoveTo) and same:
+            t.action = Continue()
+            return False
+        self._close(t)
+        ctx = m.context
+        try:
+            t.session = engine.open(ctx)
+        except EngineError as exc:
+            m.moved(j, t.started, len(ctx), warm=False)
+            t.action = m.on_hazard(Hazard("engine_error", engine.name, m.step, detail=str(exc)), None)
+            t.started = self.clock()
+            return isinstance(t.action, Done)
+        if isinstance(action, Verify):
+            try:
+                nxt: int | None = int(t.session.logits().argmax())
+            except EngineError:
+                nxt = None
+            t.action = m.on_verify(nxt)
+            if isinstance(t.action, MoveTo) and t.action.rung == j:
+                m.moved(j, t.started, len(ctx), warm=False)
+                t.action = Continue()
+            return isinstance(t.action, Done)
+        m.moved(j, t.started, len(ctx), warm=False)
+        t.action = Continue()
+        t.unpushed = False
+        return False
+
+    def _step(self, t: _Task) -> bool:
+        m, s = t.m, t.session
+        assert s is not None
+        engine = self.engines[m.rung]
+        t0 = self.clock()
+        try:
+            if t.unpushed:
+                t.unpushed = False
+                s.push(m.accepted[-1])
+            row = s.logits()
+        except EngineError as exc:
+            row, hazard = m.judge(None, None, None, None, None, 0.0, error=str(exc))
+        else:
+            took = self.clock() - t0
+            peaks = getattr(engine, "activation_peaks", None)
+            rest = getattr(engine, "activation_rest_peaks", None)
+            limit = getattr(engine, "activation_limit", None)
+            row, hazard = m.judge(row, None, peaks, rest, limit, took)
+        if hazard is not None:
+            t.action = m.on_hazard(hazard, row)
+            t.started = self.clock()
+            if isinstance(t.action, Done):
+                self._close(t)
+                return True
+            return False
+        assert row is not None
+        t.action = m.accept_row(row)
+        if isinstance(t.action, Done):
+            self._close(t)
+            return True
+        t.unpushed = isinstance(t.action, Continue)
+        return False

@@ -76,7 +76,7 @@ class TextStream:
     def _loop_hold(self) -> int:
         """Tokens from the end that the loop rule holds back."""
         ids, n, hold = self.ids, len(self.ids), 0
-        for p in range(1, min(self.loop_max_period, n // 2) + 1):
+        for p in range(1, min(self.loop_max_period, n - 1) + 1):
             if ids[-1] != ids[-1 - p]:
                 continue
             start = loop_start(ids, p)

@@ -88,11 +88,13 @@ class ServingEngine:
         torch.set_num_threads(c.standby_threads)  # torch runs the standby (and tiny guard ops)
         self.int4 = BatchedLlamaCpp(self.info, n_slots=c.slots, n_ctx=c.n_ctx, n_threads=c.int4_threads,
                                     native_dir=s.cache_dir if s.int4_monitor else None)
+        self._owned: list[Engine] = []
         if standby_engines is None:
             from qladder.engines import load_engine
 
             std = Settings(s.cache_dir, c.standby_threads, c.n_ctx, s.int4_monitor)
             standby_engines = [load_engine(r, self.info, std) for r in c.standby_rungs]
+            self._owned = list(standby_engines)
         for e in standby_engines:
             check_handoff(self.int4, e)  # type: ignore[arg-type]
         self.standby_engines = list(standby_engines)
@@ -179,8 +181,13 @@ class ServingEngine:
                 self.abort(request.request_id)
 
     def stream_sync(self, request: Request) -> Iterator[Event]:
+        """Submit now (a full queue raises QueueFullError here) and iterate the events; closing
+        the iterator before its FinalEvent aborts the request."""
         q: queue.Queue[Event] = queue.Queue()
         self._submit(request, q.put)
+        return self._events(request.request_id, q)
+
+    def _events(self, request_id: str, q: queue.Queue[Event]) -> Iterator[Event]:
         finished = False
         try:
             while not finished:
@@ -189,7 +196,7 @@ class ServingEngine:
                 yield ev
         finally:
             if not finished:
-                self.abort(request.request_id)
+                self.abort(request_id)
 
     def generate_sync(self, request: Request) -> GenerationResult:
         for ev in self.stream_sync(request):
@@ -216,6 +223,6 @@ class ServingEngine:
         if self.standby is not None:
             self.standby.close()
         self.int4.close()
-        for e in self.standby_engines:
+        for e in self._owned:  # engines passed in belong to the caller
             e.close()
 

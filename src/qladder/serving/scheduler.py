@@ -100,6 +100,8 @@ class Int4Scheduler:
         self._last_probe = 0.0
         self.steps = 0
         self.stalls = 0
+        # (step, event, request id, slot) of recent admissions and releases, for tests and metrics
+        self.slot_log: deque[tuple[int, str, str, int]] = deque(maxlen=4096)
         self._thread = threading.Thread(target=self._run, name="qladder-int4", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="qladder-watchdog", daemon=True)
         self._thread.start()
@@ -187,13 +189,15 @@ class Int4Scheduler:
             s.slot = self._free.pop(0)
             self.engine.truncate(s.slot, 0)
             self._slots[s.slot] = s
+            self.slot_log.append((self.steps, "admit", s.m.request_id, s.slot))
 
     def _release(self, s: _Slot) -> None:
         """Free a slot at once: its KV removed, the slot reusable by the next step's admission."""
         if self._slots.get(s.slot) is s:
             del self._slots[s.slot]
             self.engine.truncate(s.slot, 0)
-            self._free.append(s.slot)
+            self._free.insert(0, s.slot)  # the next admission takes it
+            self.slot_log.append((self.steps, "release", s.m.request_id, s.slot))
             self._count(-1)
 
     def _count(self, d: int) -> None:

@@ -1,0 +1,194 @@
+"""The serving core on the real engines: many requests at once, faults, aborts, stalls."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+
+import pytest
+
+from qladder.errors import ConfigError, QueueFullError
+from qladder.faults import parse_fault
+from qladder.incidents import IncidentStore
+from qladder.model import user_prompt_ids
+from qladder.sampling import SamplingParams
+from qladder.serving import SchedulerConfig, ServingConfig, ServingEngine
+from qladder.stream import _complete
+from qladder.types import FinalEvent, FinishReason, HandoffEvent, TokenEvent
+
+from .conftest import get_engine
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Name three colors.", "What is 2+2?", "Write a haiku about rain.", "What is the capital of France?",
+           "Explain gravity in one sentence.", "List five prime numbers.", "Say hello in Spanish.",
+           "What is Python?"]
+
+
+@pytest.fixture(scope="module")
+def served():
+    store = IncidentStore()
+    cfg = ServingConfig(slots=8, allow_faults=True,
+                        scheduler=SchedulerConfig(max_queue=4, deadline_s=1.0, probe_every_s=0.2))
+    se = ServingEngine(cfg, incidents=store, standby_engines=[get_engine("fp32")])
+    yield se, store
+    se.close()
+
+
+def _ids(se, text):
+    return user_prompt_ids(se.info.chat_template, text, se.int4.tokenize)
+
+
+def _concurrently(fn, n):
+    out = [None] * n
+    threads = [threading.Thread(target=lambda k=k: out.__setitem__(k, fn(k))) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return out
+
+
+def _fp32_greedy(ids, n):
+    fp32 = get_engine("fp32")
+    s = fp32.open(ids)
+    out = []
+    try:
+        while len(out) < n:
+            t = int(s.logits().argmax())
+            if t in fp32.eos_ids:
+                break
+            out.append(t)
+            s.push(t)
+    finally:
+        s.close()
+    return out
+
+
+def test_eight_at_once_clean_rows_exact_faulted_rows_continue_on_fp32(served):
+    se, store = served
+    params = SamplingParams(max_tokens=24)
+    ids = [_ids(se, p) for p in PROMPTS]
+    alone = [se.generate_sync(se.request(i, params)) for i in ids]
+    faults = {2: "nan@step=4", 5: "error@step=9"}
+    before = store.count()
+    res = _concurrently(lambda k: se.generate_sync(
+        se.request(ids[k], params, faults=[parse_fault(faults[k])] if k in faults else [])), 8)
+    for k, r in enumerate(res):
+        if k in faults:
+            step = int(faults[k].split("=")[1])
+            assert r.token_ids[:step] == alone[k].token_ids[:step]
+            assert set(r.token_rungs[:step]) == {"int4"} and set(r.token_rungs[step:]) == {"fp32"}
+            assert r.token_ids[step:] == _fp32_greedy(ids[k] + r.token_ids[:step], len(r.token_ids) - step)
+            assert [h.to_rung for h in r.handoffs] == ["fp32"] and r.handoffs[0].step == step
+        else:
+            assert r.token_ids == alone[k].token_ids, PROMPTS[k]
+            assert r.hazards == alone[k].hazards
+    assert store.count() - before == sum(len(r.hazards) for r in res)  # one incident per hazard
+
+
+def test_an_aborted_request_frees_its_slot_for_the_next_within_one_step(served):
+    se, _ = served
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    base = _ids(se, "Count from one to one thousand.")
+    holders = [se.request(base, params) for _ in range(7)]
+    streams = [se.stream_sync(r) for r in holders]
+    for s in streams:
+        next(s)  # all 7 hold a slot and decode
+    victim = se.request(base, params)
+    vs = se.stream_sync(victim)
+    assert isinstance(next(vs), TokenEvent)
+    waiting = se.request(_ids(se, "Name a color."), SamplingParams(max_tokens=4))
+    got: list = []
+    th = threading.Thread(target=lambda: got.append(se.generate_sync(waiting)))
+    th.start()
+    time.sleep(0.3)  # the ninth request waits: every slot is taken
+    vs.close()  # the client goes away: the generator aborts its request
+    th.join(timeout=60)
+    log = list(se.scheduler.slot_log)
+    released = next(e for e in log if e[1] == "release" and e[2] == victim.request_id)
+    admitted = next(e for e in log if e[1] == "admit" and e[2] == waiting.request_id)
+    assert admitted[3] == released[3] and admitted[0] - released[0] <= 1
+    assert got and got[0].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    for r in holders:
+        assert se.abort(r.request_id)
+    for s in streams:
+        final = [e for e in s if isinstance(e, FinalEvent)]
+        assert final[0].result.finish_reason == FinishReason.ABORT
+    assert se.stats()["live"] == 0
+
+
+def test_a_hung_int4_step_moves_its_whole_batch_to_the_standby(served):
+    se, _ = served
+    params = SamplingParams(max_tokens=20)
+    ids = [_ids(se, p) for p in PROMPTS[:4]]
+    stall = parse_fault("stall@step=8,s=120")  # hangs inside llama_decode until aborted
+    t0 = time.perf_counter()
+    res = _concurrently(lambda k: se.generate_sync(se.request(ids[k], params, faults=[stall] if k == 0 else [])), 4)
+    wall = time.perf_counter() - t0
+    assert wall < 60  # nobody waited for the 120 s hang
+    for r in res:
+        assert [h.check for h in r.hazards] == ["deadline"]
+        assert r.handoffs and r.handoffs[0].to_rung == "fp32" and r.token_rungs[-1] == "fp32"
+        assert r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    assert se.scheduler.stalls >= 1
+    deadline = time.monotonic() + 10
+    while not se.ready and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert se.ready  # the probe after the stall succeeded
+    assert se.generate_sync(se.request(ids[1], params)).token_rungs[0] == "int4"
+
+
+def test_an_answer_cut_inside_a_multibyte_character_never_ends_in_replacement(served):
+    se, _ = served
+    ids = _ids(se, "Say hello in Spanish.")  # "Hola in español! 😊🌍": emoji split over byte tokens
+    full = se.generate_sync(se.request(ids, SamplingParams(max_tokens=24)))
+    pieces = [se.int4.detokenize_bytes([t]) for t in full.token_ids]
+    cuts = [k for k in range(1, len(pieces) + 1) if not _complete(b"".join(pieces[:k]))]
+    assert cuts, f"no multi-byte character split over tokens in {full.text!r}"
+    r = se.generate_sync(se.request(ids, SamplingParams(max_tokens=cuts[0])))
+    assert not r.text.endswith("\ufffd")
+    assert r.text == se.int4.detokenize_bytes(r.token_ids).decode("utf-8")
+    assert len(r.token_ids) < cuts[0]  # the partial character's tokens were dropped
+
+
+def test_async_events_add_up_to_the_final_result(served):
+    se, _ = served
+    req = se.request(_ids(se, "Name three colors."), SamplingParams(max_tokens=16),
+                     faults=[parse_fault("zero@step=3")])
+
+    async def collect():
+        return [ev async for ev in se.generate(req)]
+
+    events = asyncio.run(collect())
+    final = events[-1]
+    assert isinstance(final, FinalEvent)
+    toks = [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
+    text = "".join(e.text for e in events if isinstance(e, TokenEvent))
+    assert toks == final.result.token_ids and text == final.result.text
+    assert any(isinstance(e, HandoffEvent) for e in events)
+
+
+def test_a_full_queue_is_a_typed_error_and_faults_need_the_operator(served):
+    se, _ = served
+    params = SamplingParams(max_tokens=300, ignore_eos=True)
+    ids = _ids(se, "Count to a hundred.")
+    bound = se.int4.n_slots + se.config.scheduler.max_queue
+    reqs = [se.request(ids, params) for _ in range(bound)]
+    streams = [se.stream_sync(r) for r in reqs]  # submitted at once: slots plus the queue
+    with pytest.raises(QueueFullError):
+        se.stream_sync(se.request(ids, params))
+    for r in reqs:
+        assert se.abort(r.request_id)
+    for s in streams:
+        assert [e for e in s if isinstance(e, FinalEvent)][0].result.finish_reason == FinishReason.ABORT
+    cfg = se.config
+    se.config = dataclasses.replace(cfg, allow_faults=False)
+    try:
+        with pytest.raises(ConfigError):
+            se.generate_sync(se.request(ids, params, faults=[parse_fault("nan@step=1")]))
+    finally:
+        se.config = cfg
+    assert se.stats()["live"] == 0

@@ -183,7 +183,7 @@ def test_a_full_queue_is_a_typed_error_and_faults_need_the_operator(served):
     for r in reqs:
         assert se.abort(r.request_id)
     for s in streams:
-        assert [e for e in s if isinstance(e, FinalEvent)][0].result.finish_reason == FinishReason.ABORT
+        assert next(e for e in s if isinstance(e, FinalEvent)).result.finish_reason == FinishReason.ABORT
     cfg = se.config
     se.config = dataclasses.replace(cfg, allow_faults=False)
     try:

@@ -6,11 +6,20 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from qladder.errors import QladderError
+
+if TYPE_CHECKING:
+    from qladder.config import Settings
+    from qladder.faults import Fault
+    from qladder.incidents import IncidentStore
+    from qladder.ladder import LadderConfig
+    from qladder.sampling import SamplingParams
+    from qladder.sanitize import SanitizeConfig
+    from qladder.service import Answer, Qladder
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="A precision ladder for quantized LLMs.")
@@ -100,19 +109,47 @@ def _generate(prompt: str, ladder: str, max_tokens: int, temperature: float, top
     store = IncidentStore(incidents or settings.cache_dir / "incidents.sqlite3")
     config = LadderConfig(guard=GUARD_PRESETS[guard], policy=LadderPolicy(return_after=return_after),
                           warm_shadow=warm_shadow)
-    q = Qladder(rungs, model=model, settings=settings, ladder_config=config,
-                sanitize_config=PRESETS[sanitize], incidents=store)
+    text: str | bytes = sys.stdin.buffer.read() if prompt == "-" else prompt
+    served = rungs[0] == "int4" and not warm_shadow and not any(f.kind == "gain" for f in parsed)
     try:
-        text: str | bytes = sys.stdin.buffer.read() if prompt == "-" else prompt
-        answer = q.answer(text, params, parsed)
+        if served:  # the serving engine's one decode path (one slot), as the HTTP server uses it
+            answer, q = _generate_served(text, rungs, params, parsed, config, PRESETS[sanitize], model,
+                                         settings, store)
+        else:  # a torch rung first, a warm shadow or an activation gain: the in-process ladder
+            q = Qladder(rungs, model=model, settings=settings, ladder_config=config,
+                        sanitize_config=PRESETS[sanitize], incidents=store)
+            try:
+                answer = q.answer(text, params, parsed)
+            finally:
+                q.close()
     finally:
-        q.close()
         store.close()
     out = answer.to_dict()
     out["ladder"] = rungs
     out["precisions"] = {e.name: e.precision for e in q.engines}
     out["faults"] = [str(f) for f in parsed]
     return out
+
+
+def _generate_served(text: str | bytes, rungs: list[str], params: SamplingParams, faults: list[Fault],
+                     config: LadderConfig, sanitize_config: SanitizeConfig, model: Path | None,
+                     settings: Settings, store: IncidentStore) -> tuple[Answer, Qladder]:
+    """One request through the serving engine (one slot): the decode path the server uses."""
+    from qladder.service import Answer, Qladder
+    from qladder.serving import ServingConfig, ServingEngine
+
+    cfg = ServingConfig(slots=1, n_ctx=settings.n_ctx, int4_threads=settings.n_threads,
+                        standby_threads=settings.n_threads, standby_rungs=tuple(rungs[1:]), ladder=config,
+                        allow_faults=True)  # the CLI's user is the operator
+    se = ServingEngine(cfg, model=str(model) if model else None, settings=settings, incidents=store)
+    try:
+        q = Qladder(rungs, model=se.info, settings=settings, sanitize_config=sanitize_config,
+                    engines=[se.int4, *se.standby_engines])
+        ids, prompt_text, reports = q.prepare(text, params.max_tokens)
+        result = se.generate_sync(se.request(ids, params, faults=faults, prompt_text=prompt_text))
+        return Answer(result, reports), q
+    finally:
+        se.close()
 
 
 @bench_app.command("engines")
@@ -187,6 +224,28 @@ def validate(
     typer.echo(f"guarded: garbage {g['garbage_rate']:.1%}  5xx {g['error_rate']:.1%}  "
                f"false handoffs {g['false_handoff_rate']:.1%}")
     typer.echo(f"report:  {out / 'report.html'}")
+
+
+@bench_app.command("serving")
+def bench_serving(
+    prompts: Annotated[int, typer.Option(help="Prompts per configuration and concurrency.")] = 32,
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = 128,
+    concurrency: Annotated[str, typer.Option(help="Concurrency levels, comma-separated.")] = "1,4,8,16",
+    fault_share: Annotated[float, typer.Option("--fault-share")] = 0.1,
+    int4_threads: Annotated[int, typer.Option("--int4-threads")] = 1,
+    standby_threads: Annotated[int, typer.Option("--standby-threads")] = 1,
+) -> None:
+    """Many requests at once: guarded vs bare vs a raw batched llama.cpp loop, and 10% faulted."""
+    from qladder.benchmarks.serving import run_serving_bench
+
+    _quiet_libraries()
+    try:
+        levels = tuple(int(c) for c in concurrency.split(",") if c.strip())
+        out = run_serving_bench(prompts, max_tokens, levels, fault_share, int4_threads, standby_threads)
+    except (QladderError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    typer.echo(json.dumps(out))
 
 
 @bench_app.command("calibrate")

@@ -81,9 +81,9 @@ class Qladder:
         segments = render_chat(self.info.chat_template, cleaned)
         return encode_segments(segments, self.engines[0].tokenize), reports
 
-    def answer(self, prompt: str | bytes | Sequence[Message], params: SamplingParams | None = None,
-               faults: Sequence[Fault] = (), request_id: str | None = None) -> Answer:
-        params = params or SamplingParams()
+    def prepare(self, prompt: str | bytes | Sequence[Message], max_tokens: int
+                ) -> tuple[list[int], str, list[SanitizeResult]]:
+        """Sanitize, template and tokenize: the ids, the prompt text (for incidents), the reports."""
         if isinstance(prompt, bytes):
             first = sanitize_bytes(prompt, self.sanitize_config)
             messages: Sequence[Message] = [{"role": "user", "content": first.text}]
@@ -92,10 +92,15 @@ class Qladder:
             messages, pre = [{"role": "user", "content": prompt}], []
         else:
             messages, pre = prompt, []
-        ids, reports = self.encode_messages(messages, params.max_tokens)
-        text = "\n".join(m["content"] for m in messages)
+        ids, reports = self.encode_messages(messages, max_tokens)
+        return ids, "\n".join(m["content"] for m in messages), pre + reports
+
+    def answer(self, prompt: str | bytes | Sequence[Message], params: SamplingParams | None = None,
+               faults: Sequence[Fault] = (), request_id: str | None = None) -> Answer:
+        params = params or SamplingParams()
+        ids, text, reports = self.prepare(prompt, params.max_tokens)
         result = self.ladder.generate(ids, params, faults, prompt_text=text, request_id=request_id)
-        return Answer(result, pre + reports)
+        return Answer(result, reports)
 
     def close(self) -> None:
         for e in self.engines:

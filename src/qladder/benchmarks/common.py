@@ -57,8 +57,9 @@ def measure_read_bandwidth(size_mb: int = 512, repeats: int = 7) -> dict[str, fl
 
 
 def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
-    return s[k]
+    """`qladder.percentiles.percentile` (linear interpolation), NaN for no values (JSON-friendly
+    in the benchmarks' arithmetic)."""
+    from qladder.percentiles import percentile as pct
+
+    v = pct(xs, q)
+    return float("nan") if v is None else v

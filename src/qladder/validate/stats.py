@@ -15,18 +15,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from qladder.percentiles import percentile
 from qladder.validate.replay import Outcome
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolation percentile (numpy's default), q in [0, 100]; None for no values."""
-    xs = sorted(v for v in values if v is not None and math.isfinite(v))
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def mean(values: Iterable[float]) -> float | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from qladder.stream import TextStream, _complete, decode
@@ -81,6 +81,7 @@ def test_a_repeating_tail_is_held_past_its_first_copy():
     assert s.text == "ab ab a\n"
 
 
+@example([0, 7], ("\n\n",))  # a stop right after a lead byte: the lead byte's token goes too
 @given(st.lists(st.integers(0, 10), max_size=40), st.sampled_from([(), ("\n\n",), ("b:", "a\n")]))
 def test_released_text_is_always_the_decoded_released_ids(ids, stops):
     s, shown = run(ids, stops, loop=8)

@@ -122,9 +122,7 @@ class TextStream:
         hit = min((i for i in (window.find(s) for s in self.stops) if i >= 0), default=-1)
         if hit >= 0:
             limit = max(hit - len(tail), 0)  # characters of `text` before the stop string
-            keep = 0
-            while keep < k and len(decode(data[: cuts[keep]])) <= limit:
-                keep += 1
+            keep = self._keep_within(k, cuts, data, limit)
             self.stopped_at = start + keep
             return keep, decode(data[: cuts[keep - 1]]) if keep else ""
         if final:
@@ -138,11 +136,18 @@ class TextStream:
                     break
         if held_chars == 0:
             return k, text
-        limit = len(text) - held_chars
+        keep = self._keep_within(k, cuts, data, len(text) - held_chars)
+        return keep, decode(data[: cuts[keep - 1]]) if keep else ""
+
+    @staticmethod
+    def _keep_within(k: int, cuts: list[int], data: bytes, limit: int) -> int:
+        """The most of k tokens whose text fits in `limit` characters and ends on a whole one."""
         keep = 0
         while keep < k and len(decode(data[: cuts[keep]])) <= limit:
             keep += 1
-        return keep, decode(data[: cuts[keep - 1]]) if keep else ""
+        while keep > 0 and not _complete(data[: cuts[keep - 1]]):
+            keep -= 1
+        return keep
 
     @property
     def final_ids(self) -> list[int]:

@@ -192,3 +192,70 @@ def test_a_full_queue_is_a_typed_error_and_faults_need_the_operator(served):
     finally:
         se.config = cfg
     assert se.stats()["live"] == 0
+
+
+@pytest.mark.parametrize("n", [49152, 1031, 17, 3, 1])
+def test_native_argmax_is_torchs_argmax(tmp_path, n):
+    """First maximum; NaN counts as the maximum; ties and +Inf as torch decides them."""
+    import ctypes
+
+    import numpy as np
+    import torch
+
+    from qladder.engines.monitor import load_native
+
+    lib = load_native(tmp_path)
+    lib.qladder_argmax.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.qladder_argmax.restype = ctypes.c_int64
+    rng = np.random.default_rng(n)
+    for trial in range(24):
+        a = rng.standard_normal(n).astype(np.float32)
+        if trial % 4 == 1:
+            a[rng.integers(n)] = np.nan
+        elif trial % 4 == 2:
+            a[:] = 1.0
+        elif trial % 4 == 3:
+            a[rng.integers(n)] = np.inf
+        assert lib.qladder_argmax(a.ctypes.data, n) == int(torch.from_numpy(a).argmax())
+
+
+def test_a_gain_fault_hits_its_own_slot_only(served):
+    """A massive-activation gain on one request (added in C to that slot's rows of layer 11):
+    the monitor catches it at prefill and the request continues on fp32; its neighbour in the
+    batch is untouched and equals its answer alone."""
+    se, _ = served
+    params = SamplingParams(max_tokens=12)
+    a, b = _ids(se, PROMPTS[0]), _ids(se, PROMPTS[3])
+    alone = se.generate_sync(se.request(b, params))
+    gain = parse_fault("gain@layer=11,channel=507,x=3")
+    res = _concurrently(lambda k: se.generate_sync(se.request(a if k == 0 else b, params,
+                                                              faults=[gain] if k == 0 else [])), 2)
+    hit, clean = res
+    assert hit.hazards and hit.hazards[0].check in ("activation", "outlier") and hit.hazards[0].step == 0
+    assert set(hit.token_rungs) == {"fp32"}
+    assert clean.token_ids == alone.token_ids and not clean.hazards
+
+
+def test_a_bug_in_our_code_is_not_a_hazard(served, monkeypatch):
+    """A TypeError inside the standby's step ends that request with the fallback and is raised
+    again when the pool closes: bugs fail loudly, they are never recorded as engine hazards."""
+    from qladder.errors import EngineDeadError
+    from qladder.serving.standby import StandbyPool
+
+    se, _ = served
+    pool = StandbyPool({1: get_engine("fp32")}, se.aborts, max_sessions=1)
+
+    def broken(self, t):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(StandbyPool, "_step", broken)
+    m = se._machine_for_test(se.request(_ids(se, "Hi"), SamplingParams(max_tokens=4)))
+    from qladder.machine import MoveTo
+
+    pool.submit(m, MoveTo(1, poisoned=False), time.perf_counter())
+    deadline = time.monotonic() + 30
+    while m.done is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert m.done is not None and m.done.fallback and m.done.hazards == []
+    with pytest.raises(EngineDeadError):
+        pool.close()

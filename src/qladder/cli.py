@@ -110,12 +110,12 @@ def _generate(prompt: str, ladder: str, max_tokens: int, temperature: float, top
     config = LadderConfig(guard=GUARD_PRESETS[guard], policy=LadderPolicy(return_after=return_after),
                           warm_shadow=warm_shadow)
     text: str | bytes = sys.stdin.buffer.read() if prompt == "-" else prompt
-    served = rungs[0] == "int4" and not warm_shadow and not any(f.kind == "gain" for f in parsed)
+    served = rungs[0] == "int4" and not warm_shadow
     try:
         if served:  # the serving engine's one decode path (one slot), as the HTTP server uses it
             answer, q = _generate_served(text, rungs, params, parsed, config, PRESETS[sanitize], model,
                                          settings, store)
-        else:  # a torch rung first, a warm shadow or an activation gain: the in-process ladder
+        else:  # a torch rung first, or a warm shadow: the in-process ladder
             q = Qladder(rungs, model=model, settings=settings, ladder_config=config,
                         sanitize_config=PRESETS[sanitize], incidents=store)
             try:
@@ -234,6 +234,7 @@ def bench_serving(
     fault_share: Annotated[float, typer.Option("--fault-share")] = 0.1,
     int4_threads: Annotated[int, typer.Option("--int4-threads")] = 1,
     standby_threads: Annotated[int, typer.Option("--standby-threads")] = 1,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds per level (tok/s: their median).")] = 2,
 ) -> None:
     """Many requests at once: guarded vs bare vs a raw batched llama.cpp loop, and 10% faulted."""
     from qladder.benchmarks.serving import run_serving_bench
@@ -241,7 +242,8 @@ def bench_serving(
     _quiet_libraries()
     try:
         levels = tuple(int(c) for c in concurrency.split(",") if c.strip())
-        out = run_serving_bench(prompts, max_tokens, levels, fault_share, int4_threads, standby_threads)
+        out = run_serving_bench(prompts, max_tokens, levels, fault_share, int4_threads, standby_threads,
+                                rounds=rounds)
     except (QladderError, ValueError) as exc:
         _fail(str(exc))
         return

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -109,11 +110,15 @@ def _raw(engine: BatchedLlamaCpp, prompts: list[list[int]], concurrency: int, ma
     return time.perf_counter() - t0, out
 
 
-def _summary(wall: float, samples: list[Sample]) -> dict[str, Any]:
+def _summary(runs: list[tuple[float, list[Sample]]]) -> dict[str, Any]:
+    """tok_s: the median over rounds of tokens / wall; latencies pooled over the rounds."""
+    samples = [s for _, ss in runs for s in ss]
+    rates = [sum(s[2] for s in ss) / wall for wall, ss in runs if wall]
     tokens = sum(s[2] for s in samples)
     ttft = [s[0] * 1e3 for s in samples]
     per_tok = [x * 1e3 for s in samples for x in s[1]]
-    return {"requests": len(samples), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall if wall else None,
+    return {"requests": len(samples), "tokens": tokens, "rounds": len(runs), "tok_s_rounds": rates,
+            "tok_s": statistics.median(rates) if rates else None,
             "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
             "token_p50_ms": percentile(per_tok, 50), "token_p99_ms": percentile(per_tok, 99),
             "clean_answers": sum(s[3] for s in samples)}
@@ -121,7 +126,7 @@ def _summary(wall: float, samples: list[Sample]) -> dict[str, Any]:
 
 def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: tuple[int, ...] = (1, 4, 8, 16),
                       fault_share: float = 0.1, int4_threads: int = 1, standby_threads: int = 1,
-                      seed: int = 0) -> dict[str, Any]:
+                      seed: int = 0, rounds: int = 2) -> dict[str, Any]:
     settings = Settings.from_env()
     info = inspect_model(None, settings.cache_dir)
     slots = max(concurrency)
@@ -157,10 +162,15 @@ def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: t
         }
         results: dict[str, dict[str, Any]] = {k: {} for k in configs}
         order = list(configs)
-        for i, c in enumerate(concurrency):
-            for name in order[i % len(order):] + order[: i % len(order)]:  # rotate: interleaved
-                wall, samples = configs[name](c)
-                results[name][str(c)] = _summary(wall, samples)
+        k = 0
+        for c in concurrency:
+            runs: dict[str, list[tuple[float, list[Sample]]]] = {name: [] for name in order}
+            for _ in range(rounds):
+                for name in order[k % len(order):] + order[: k % len(order)]:  # rotated: interleaved
+                    runs[name].append(configs[name](c))
+                k += 1
+            for name, rs in runs.items():
+                results[name][str(c)] = _summary(rs)
         g = results["guarded"]
 
         def ratio(a: Any, b: Any) -> float | None:
@@ -178,7 +188,7 @@ def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: t
                           "standby": "fp32, 4 sessions round-robin", "faulted_requests": n_faulted,
                           "fault": "nan@step=K, K uniform in [1, max_tokens/2], seeded", "seed": seed,
                           "warm_up": "2 prompts x 8 tokens per configuration",
-                          "order": "configurations rotate within each concurrency level",
+                          "order": "configurations rotate within each concurrency level", "rounds": rounds,
                           "clients": "closed loop, one thread per client"},
                 "results": results, "ratios": ratios}
     finally:

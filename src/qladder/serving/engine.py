@@ -133,8 +133,14 @@ class ServingEngine:
                              f"{min(self.n_ctx)}; truncate it (qladder.sanitize) or raise n_ctx")
         if any(not 0 <= t < self.int4.n_vocab for t in r.prompt_ids):
             raise InputError(f"token ids must be in [0, {self.int4.n_vocab})")
-        if any(f.kind == "gain" for f in r.faults):
-            raise ConfigError("gain faults are not served by the batched int4 pool yet; use the ladder CLI")
+        gains = [f for f in r.faults if f.kind == "gain"]
+        if len(gains) > 1:
+            raise ConfigError("the int4 pool takes one gain fault a request (one per slot)")
+        if gains and not (1 <= gains[0].layer < self.int4.n_layer and 0 <= gains[0].channel < self.int4.n_embd):
+            raise ConfigError(f"gain faults apply to layers 1..{self.int4.n_layer - 1} and channels "
+                              f"0..{self.int4.n_embd - 1}, not {gains[0]}")
+        if gains and not self.int4.has_native:
+            raise ConfigError(f"gain faults need the native helpers ({self.int4.native_error})")
 
     def _submit(self, r: Request, emit: Callable[[Event], None]) -> None:
         self._check(r)
@@ -145,8 +151,7 @@ class ServingEngine:
                 self.aborts.end(r.request_id)
             emit(ev)
 
-        m = RequestMachine(r, self.rungs, self.n_ctx, self.int4.eos_ids, self.int4.detokenize_bytes,
-                           self.config.ladder, self.guard, self.incidents, deliver, self.clock)
+        m = self._machine(r, deliver)
         try:
             if self.scheduler.healthy or self.standby is None:
                 self.scheduler.submit(m)
@@ -155,6 +160,14 @@ class ServingEngine:
         except BaseException:
             self.aborts.end(r.request_id)
             raise
+
+    def _machine(self, r: Request, emit: Callable[[Event], None]) -> RequestMachine:
+        return RequestMachine(r, self.rungs, self.n_ctx, self.int4.eos_ids, self.int4.detokenize_bytes,
+                              self.config.ladder, self.guard, self.incidents, emit, self.clock)
+
+    def _machine_for_test(self, r: Request) -> RequestMachine:
+        """A machine as this engine builds them, not submitted anywhere (tests drive it)."""
+        return self._machine(r, lambda _e: None)
 
     def _return(self, m: RequestMachine, started: float) -> None:
         self.scheduler.resubmit(m, started)
@@ -219,10 +232,16 @@ class ServingEngine:
                 "standby_active": self.standby.active if self.standby else 0, "live": self.aborts.live}
 
     def close(self) -> None:
-        self.scheduler.close()
-        if self.standby is not None:
-            self.standby.close()
-        self.int4.close()
-        for e in self._owned:  # engines passed in belong to the caller
-            e.close()
+        """Stop the threads and free the engines; raises EngineDeadError if a serving thread hit
+        a bug of our own code on the way (bugs stay bugs: they fail the tests)."""
+        try:
+            self.scheduler.close()
+        finally:
+            try:
+                if self.standby is not None:
+                    self.standby.close()
+            finally:
+                self.int4.close()
+                for e in self._owned:  # engines passed in belong to the caller
+                    e.close()
 

@@ -34,7 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
-from qladder.errors import EngineError, QueueFullError
+from qladder.errors import EngineDeadError, EngineError, QueueFullError
+from qladder.faults import MASSIVE_ACTIVATION
 from qladder.machine import Action, Continue, Done, MoveTo, RequestMachine, Verify
 from qladder.serving.aborts import AbortRegistry
 from qladder.serving.standby import StandbyPool
@@ -97,9 +98,13 @@ class Int4Scheduler:
         self._wake = threading.Event()
         self._stop = False
         self.healthy = True
+        self.dead: BaseException | None = None  # set (under _count_lock) if the thread died of a bug
         self._last_probe = 0.0
         self.steps = 0
         self.stalls = 0
+        self.decode_s = 0.0  # time inside llama_decode
+        self.rows_s = 0.0  # time in the per-row work after it (guard, sampling, text, events)
+        self.rows = 0
         # (step, event, request id, slot) of recent admissions and releases, for tests and metrics
         self.slot_log: deque[tuple[int, str, str, int]] = deque(maxlen=4096)
         self._thread = threading.Thread(target=self._run, name="qladder-int4", daemon=True)
@@ -111,6 +116,8 @@ class Int4Scheduler:
     def submit(self, m: RequestMachine) -> None:
         """Queue a request (the caller gives its machine up). Raises QueueFullError."""
         with self._count_lock:
+            if self.dead is not None:
+                raise EngineDeadError("the int4 scheduler is gone") from self.dead
             if self._n_waiting >= self.config.max_queue + self.engine.n_slots:
                 raise QueueFullError(f"{self._n_waiting} requests waiting for the int4 pool", retry_after_s=1.0)
             self._n_waiting += 1
@@ -135,30 +142,42 @@ class Int4Scheduler:
         return max(self._n_waiting - self.slots_in_use, 0)
 
     def close(self) -> None:
+        """Stop both threads; raises EngineDeadError if one died of a bug (bugs stay bugs)."""
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
         self._watchdog.join(timeout=5)
+        if self.dead is not None:
+            raise EngineDeadError(f"the int4 scheduler died: {self.dead!r}") from self.dead
 
     # -- the scheduler thread --------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while not self._stop:
-                self._take_inbox()
-                self._drop_aborted()
-                if not self.healthy and self.clock() - self._last_probe > self.config.probe_every_s:
-                    self._probe()
-                self._admit()
-                if not self._slots:
-                    self._wake.wait(timeout=0.05)
-                    self._wake.clear()
-                    continue
-                self._step()
+            self._loop()
+        except BaseException as exc:  # a bug in our code: never a hazard; it ends the pool, loudly
+            _log.exception("the int4 scheduler died")
+            with self._count_lock:
+                self.dead = exc
         finally:
+            self._take_inbox()
+            ended = FinishReason.ABORT if self.dead is None else FinishReason.DEGRADED
             for s in [*self._slots.values(), *self._waiting]:
-                s.m.finish(FinishReason.ABORT)
+                s.m.finish(ended, fallback=self.dead is not None)
             self._slots.clear()
             self._waiting.clear()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            self._take_inbox()
+            self._drop_aborted()
+            if not self.healthy and self.clock() - self._last_probe > self.config.probe_every_s:
+                self._probe()
+            self._admit()
+            if not self._slots:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                continue
+            self._step()
 
     def _take_inbox(self) -> None:
         while True:
@@ -189,6 +208,9 @@ class Int4Scheduler:
             s.slot = self._free.pop(0)
             self.engine.truncate(s.slot, 0)
             self._slots[s.slot] = s
+            for f in s.m.req.faults:  # an activation outlier through the real kernels, this slot only
+                if f.kind == "gain":
+                    self.engine.set_gain(s.slot, f.layer, f.channel, (f.x - 1.0) * MASSIVE_ACTIVATION)
             self.slot_log.append((self.steps, "admit", s.m.request_id, s.slot))
 
     def _release(self, s: _Slot) -> None:
@@ -196,6 +218,7 @@ class Int4Scheduler:
         if self._slots.get(s.slot) is s:
             del self._slots[s.slot]
             self.engine.truncate(s.slot, 0)
+            self.engine.clear_gain(s.slot)
             self._free.insert(0, s.slot)  # the next admission takes it
             self.slot_log.append((self.steps, "release", s.m.request_id, s.slot))
             self._count(-1)
@@ -246,11 +269,14 @@ class Int4Scheduler:
         with self._flight_lock:
             self._flight = flight
         error: str | None = None
+        t0 = time.perf_counter()
         try:
             self._python_stall()
             self.engine.decode(entries, monitor=monitor, row_stats=self.row_stats)
         except EngineError as exc:
             error = str(exc)
+        t1 = time.perf_counter()
+        self.decode_s += t1 - t0
         with self._flight_lock:
             self._flight = None
             claimed = flight.claimed
@@ -266,6 +292,8 @@ class Int4Scheduler:
             if not e.logits and error is None:
                 continue
             self._on_row(s, error, monitor)
+        self.rows_s += time.perf_counter() - t1
+        self.rows += len(batch)
 
     def _on_row(self, s: _Slot, error: str | None, monitored: bool) -> None:
         m, eng = s.m, self.engine
@@ -346,6 +374,14 @@ class Int4Scheduler:
 
     # -- the watchdog thread -----------------------------------------------------------------------
     def _watch(self) -> None:
+        try:
+            self._watch_loop()
+        except BaseException as exc:
+            _log.exception("the int4 watchdog died")
+            with self._count_lock:
+                self.dead = exc
+
+    def _watch_loop(self) -> None:
         while not self._stop:
             time.sleep(self.config.watchdog_tick_s)
             with self._flight_lock:

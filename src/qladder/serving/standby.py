@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from qladder.engines.base import Engine, Session
-from qladder.errors import EngineError, QueueFullError
+from qladder.errors import EngineDeadError, EngineError, QueueFullError
 from qladder.machine import Action, Continue, Done, MoveTo, RequestMachine, Verify
 from qladder.serving.aborts import AbortRegistry
 from qladder.types import FinishReason, Hazard
@@ -55,6 +55,7 @@ class StandbyPool:
         self._waiting: deque[_Task] = deque()
         self._active: list[_Task] = []
         self.waits_ms: deque[float] = deque(maxlen=1024)  # queue wait of recent handoffs
+        self.bugs: list[BaseException] = []  # exceptions of our own code, raised again by close()
         self._thread = threading.Thread(target=self._run, name="qladder-standby", daemon=True)
         for e in self.engines.values():
             monitor = getattr(e, "monitor_activations", None)
@@ -79,8 +80,12 @@ class StandbyPool:
         return len(self._active)
 
     def close(self) -> None:
+        """Stop the worker (requests still open end as aborted); raises EngineDeadError when a bug
+        of our own code was caught while serving (bugs are not hazards)."""
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        if self.bugs:
+            raise EngineDeadError(f"the standby hit {len(self.bugs)} bug(s): {self.bugs[0]!r}") from self.bugs[0]
 
     # -- the worker thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -103,8 +108,9 @@ class StandbyPool:
             for t in list(self._active):
                 try:
                     finished = self._advance(t)
-                except Exception:  # a bug in our own code: the request still gets an answer
-                    _log.exception("standby failed on request %s", t.m.request_id)
+                except Exception as exc:  # a bug in our code: the request still gets an answer,
+                    _log.exception("standby failed on request %s", t.m.request_id)  # and close() raises
+                    self.bugs.append(exc)
                     self._close(t)
                     t.m.finish(FinishReason.DEGRADED, fallback=True)
                     finished = True

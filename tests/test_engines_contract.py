@@ -61,6 +61,35 @@ class TestEngineContract:
         assert len(engine.fingerprint) == 16
         s.close()
 
+    def test_step_output_carries_what_the_engine_is_instrumented_for(self, engine):
+        """`output()`: the row, its stats when computed with the copy, peaks only when monitored."""
+        p = _prompt(engine)
+        try:
+            engine.instrument(True, True)
+            s = engine.open(p)
+            out = s.output()
+            assert torch.equal(out.row, s.logits())
+            if out.stats is not None:
+                total, hi, lo = out.stats
+                assert hi == float(out.row.max()) and lo == float(out.row.min())
+                assert total == pytest.approx(float(out.row.double().sum()), rel=1e-5, abs=1e-2)
+            if out.peaks is not None:
+                assert out.activation_limit is not None and out.rest_peaks is not None
+                assert out.peaks.shape == out.rest_peaks.shape and bool((out.peaks >= out.rest_peaks).all())
+            s.close()
+            engine.instrument(False, False)
+            s = engine.open(p)
+            assert s.output().peaks is None and s.output().stats is None
+            s.close()
+        finally:
+            engine.instrument(False, False)
+        if not isinstance(engine, ScriptedEngine):
+            engine.instrument(True, False)
+            s = engine.open(p)
+            assert s.output().peaks is not None  # the real rungs are monitored when asked
+            s.close()
+            engine.instrument(False, False)
+
     def test_greedy_decode_is_deterministic(self, engine):
         p = _prompt(engine)
         s1 = engine.open(p)

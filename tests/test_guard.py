@@ -196,7 +196,7 @@ def test_outlier_away_from_the_first_position_is_caught_with_headroom_left():
 
 def test_per_layer_outlier_bounds_catch_a_quiet_layer_under_the_ceiling():
     limits = (100.0, 400.0, 3000.0, 300.0)  # the third is capped by the 2,000 ceiling
-    cfg = GuardConfig(outlier_limit=2000.0, outlier_layer_limits=limits)
+    cfg = GuardConfig(outlier_limit=2000.0, outlier_layer_limits=limits, outlier_layer_limits_model=None)
     peaks = torch.tensor([25_000.0] * 4)
     # 600 in layer 3 is far under the ceiling, but twice what that layer carries on clean traffic.
     h = StepGuard(cfg).check(_normal_row(), [], "int4", peaks, 65504.0, torch.tensor([50.0, 300.0, 1500.0, 600.0]))
@@ -224,3 +224,22 @@ def test_host_and_tensor_first_over_agree(values, limit):
     assert dev[0] == host[0]
     if host[0]:
         assert dev[1:] == pytest.approx(host[1:], nan_ok=True)
+
+
+def test_calibrated_bounds_are_keyed_by_the_model_not_its_depth(caplog, model_info):
+    """SmolLM2's per-layer bounds apply to SmolLM2 (and patched copies of it), not to another
+    30-layer model, which gets the ceiling alone and a warning."""
+    from qladder.health.guard import SMOLLM2_IDENTITY, SMOLLM2_OUTLIER_LIMITS
+
+    assert model_info.identity == SMOLLM2_IDENTITY
+    assert StepGuard(GuardConfig(), model_info.identity).outlier_bounds(30) == [
+        min(v, 2000.0) for v in SMOLLM2_OUTLIER_LIMITS]
+    with caplog.at_level("WARNING", logger="qladder.guard"):
+        other = StepGuard(GuardConfig(), "Another 30-layer model|llama|L30|D576|V49152|ft3")
+    assert other.outlier_bounds(30) == [2000.0] * 30
+    assert "calibrated on" in caplog.text
+    rest = torch.tensor([50.0] + [100.0] * 29)
+    rest[10] = 900.0  # over layer 10's calibrated 410, under the ceiling
+    peaks = torch.tensor([25_000.0] * 30)
+    assert StepGuard(GuardConfig(), SMOLLM2_IDENTITY).check(_normal_row(), [], "int4", peaks, 65504.0, rest).layer == 10
+    assert other.check(_normal_row(), [], "int4", peaks, 65504.0, rest) is None

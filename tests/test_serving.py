@@ -11,7 +11,9 @@ import pytest
 
 from qladder.errors import ConfigError, QueueFullError
 from qladder.faults import parse_fault
+from qladder.health.guard import GUARD_PRESETS
 from qladder.incidents import IncidentStore
+from qladder.machine import LadderConfig
 from qladder.model import user_prompt_ids
 from qladder.sampling import SamplingParams
 from qladder.serving import SchedulerConfig, ServingConfig, ServingEngine
@@ -30,8 +32,9 @@ PROMPTS = ["Name three colors.", "What is 2+2?", "Write a haiku about rain.", "W
 @pytest.fixture(scope="module")
 def served():
     store = IncidentStore()
-    cfg = ServingConfig(slots=8, allow_faults=True,
-                        scheduler=SchedulerConfig(max_queue=4, deadline_s=1.0, probe_every_s=0.2))
+    guard = dataclasses.replace(GUARD_PRESETS["default"], step_deadline_s=1.0)
+    cfg = ServingConfig(slots=8, allow_faults=True, ladder=LadderConfig(guard=guard),
+                        scheduler=SchedulerConfig(max_queue=4, probe_every_s=0.2))
     se = ServingEngine(cfg, incidents=store, standby_engines=[get_engine("fp32")])
     yield se, store
     se.close()

@@ -270,16 +270,13 @@ def test_paired_ratio_and_agreement():
 
 @pytest.fixture(scope="module")
 def configs():
-    from qladder.ladder import LadderConfig
+    from qladder.config import Settings
     from qladder.model import inspect_model
-    from qladder.sanitize import PRESETS
-    from qladder.service import Qladder
-    from qladder.validate.replay import Bare, Guarded
+    from qladder.validate.replay import serve
 
-    info = inspect_model()
-    int4, fp32 = get_engine("int4"), get_engine("fp32")
-    q = Qladder(engines=[int4, fp32], model=info, ladder_config=LadderConfig(), sanitize_config=PRESETS["default"])
-    return Bare(int4, info), Guarded(q)
+    se, bare, guarded = serve(inspect_model(), get_engine("fp32"), Settings.from_env(), None)
+    yield bare, guarded
+    se.close()
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ Steps count generated tokens: step K is the logits row from which token K would 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from qladder.engines.base import Engine, Session
+from qladder.engines.base import Engine, Session, StepOutput
 from qladder.errors import ConfigError, EngineError
 
 MASSIVE_ACTIVATION = 24_900.0  # SmolLM2-135M, layer 11-12, channel 507, FP32, first token
@@ -132,13 +133,17 @@ class FaultySession:
         return self._inner.token_ids
 
     def logits(self) -> torch.Tensor:
-        row = self._inner.logits()
+        return self.output().row
+
+    def output(self) -> StepOutput:
+        out = self._inner.output()
         step = self._inner.n_tokens - self._prompt_len
         for f in self._faults:
             if f.kind == "stall" and step == f.step and step not in self._stalled:
                 self._stalled.add(step)
                 self._sleep(f.stall_s)
-        return fault_row(row, [f for f in self._faults if f.kind != "stall"], step)
+        row = fault_row(out.row, [f for f in self._faults if f.kind != "stall"], step)
+        return out if row is out.row else dataclasses.replace(out, row=row, stats=None)
 
     def push(self, token_id: int) -> None:
         self._inner.push(token_id)

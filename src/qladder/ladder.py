@@ -35,6 +35,7 @@ from qladder.health.guard import StepGuard
 from qladder.health.repetition import loop_start
 from qladder.incidents import Incident, IncidentSink, prompt_hash
 from qladder.machine import LadderConfig
+from qladder.model import ModelInfo
 from qladder.policy import Handoff as HandoffAction
 from qladder.policy import Stop
 from qladder.sampling import Sampler, SamplingParams
@@ -48,14 +49,20 @@ class Ladder:
     """Ordered rungs, cheapest first. Every rung must share rung 0's tokenizer."""
 
     def __init__(self, engines: Sequence[Engine], config: LadderConfig | None = None,
-                 incidents: IncidentSink | None = None, clock: Callable[[], float] = time.perf_counter):
+                 incidents: IncidentSink | None = None, clock: Callable[[], float] = time.perf_counter,
+                 model_key: str | None = None):
+        """model_key: the model's identity (ModelInfo.identity; default: rung 0's model, when it
+        has one), which selects the guard's calibrated bounds."""
         if not engines:
             raise ValueError("a ladder needs at least one rung")
         for e in engines[1:]:
             check_handoff(engines[0], e)
         self.engines = list(engines)
         self.config = config or LadderConfig()
-        self.guard = StepGuard(self.config.guard)
+        if model_key is None:
+            info = getattr(engines[0], "info", None)
+            model_key = info.identity if isinstance(info, ModelInfo) else None
+        self.guard = StepGuard(self.config.guard, model_key)
         self.incidents = incidents
         self.clock = clock
 
@@ -209,25 +216,20 @@ class _Run:
             if self.unpushed:
                 self.unpushed = False
                 # Costly monitors (int4's) sample decode steps; prefill and catch-up always run monitored.
-                cheap = getattr(engine, "monitor_is_cheap", True)
+                cheap = engine.monitor_is_cheap
                 self.set_monitor(self.rung, cheap or step % self.L.config.guard.activation_every == 0)
                 session.push(self.accepted[-1])
-            row = session.logits()
+            out = session.output()
         except EngineError as exc:
             return None, Hazard("engine_error", name, step, detail=str(exc))
         took = clock() - t
+        row = out.row
         deadline = self.L.config.guard.step_deadline_s
         if took > deadline:
             return row, Hazard("deadline", name, step, took, deadline, detail=f"step took {took * 1e3:.0f} ms")
-        if self.monitored:
-            peaks = getattr(engine, "activation_peaks", None)
-            rest = getattr(engine, "activation_rest_peaks", None)
-            limit = getattr(engine, "activation_limit", None)
-        else:
-            peaks = rest = limit = None
-        stats_fn = getattr(session, "row_stats", None)  # computed with the engine's copy, if any
-        stats = stats_fn() if stats_fn is not None else None
-        return row, self.L.guard.check(row, self.accepted, name, peaks, limit, rest, stats)
+        peaks = out.peaks if self.monitored else None
+        return row, self.L.guard.check(row, self.accepted, name, peaks, out.activation_limit, out.rest_peaks,
+                                       out.stats)
 
     def accept(self, token: int) -> None:
         now = self.L.clock()
@@ -278,9 +280,7 @@ class _Run:
     def set_monitor(self, j: int, on: bool) -> None:
         on = on and self.L.config.guard.check_activations
         if on != self.monitored or j != self.rung:
-            monitor = getattr(self.L.engines[j], "monitor_activations", None)
-            if monitor is not None:
-                monitor(on)
+            self.L.engines[j].instrument(on, self.L.config.guard.check_logits)
         self.monitored = on
 
     def move(self, j: int, keep: bool, poisoned: bool, started: float) -> None:

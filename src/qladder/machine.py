@@ -56,6 +56,7 @@ class LadderConfig:
     policy: LadderPolicy = field(default_factory=LadderPolicy)
     warm_shadow: bool = False
     shadow_sync_every: int = 16
+    record_incidents: bool = True  # a bare configuration keeps no incident records
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     faults: tuple[Fault, ...] = ()  # test machinery: only where the operator allowed faults
     prompt_text: str | None = None
+    ladder: LadderConfig | None = None  # operator-only override of the engine's guard and policy
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ class RequestMachine:
         self.eos_ids = eos_ids
         self.config = config
         self.guard = guard
-        self.incidents = incidents
+        self.incidents = incidents if config.record_incidents else None
         self.emit = emit or (lambda _e: None)
         self.clock = clock
         self.sampler = Sampler(request.params)
@@ -190,6 +192,7 @@ class RequestMachine:
         now = self.clock()
         if "ttft_ms" not in self.timings:
             self.timings["ttft_ms"] = (now - self.t0) * 1e3
+            self.timings.setdefault("prefill_ms", self.timings["ttft_ms"])
         self.close_handoff(now)
         if token is None or not self.params.greedy:
             token = self.sampler.sample(row)

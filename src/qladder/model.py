@@ -56,6 +56,14 @@ class ModelInfo:
     file_type: int
 
     @property
+    def identity(self) -> str:
+        """The model, not the file: name, architecture, shape and quantization. Calibrations
+        (the guard's per-layer outlier bounds) are keyed by it; a patched copy of the same model
+        (a fault model's corrupted scale or scaled embeddings) keeps it."""
+        return (f"{self.name}|{self.architecture}|L{self.n_layer}|D{self.n_embd}|V{self.n_vocab}"
+                f"|ft{self.file_type}")
+
+    @property
     def cache_key(self) -> str:
         """Identifies this exact file for on-disk caches (name, size and mtime; no hashing)."""
         st = self.path.stat()

@@ -2,6 +2,7 @@
 
     hazard on rung i            -> Handoff(i + 1)             a rung is left
     hazard on the last rung     -> Stop(DEGRADED, fallback)   the safe fallback answer
+    engine error, fail_on_engine_error -> Stop(ERROR)         a bare configuration's 5xx
     repetition the next rung reproduces -> Stop(REPETITION)   the model's own loop, not a fault
     K healthy tokens above rung 0 (return_after=K) -> Handoff(0)
 
@@ -38,10 +39,15 @@ Action = Continue | Handoff | Stop
 class LadderPolicy:
     return_after: int | None = None  # None: stay on the higher rung for the rest of the answer
     max_handoffs: int = 8  # a bound on climbing back and forth within one answer
+    # A bare configuration (validation's naive server): an engine failure ends the request as an
+    # error (a 5xx) instead of climbing or answering with the fallback.
+    fail_on_engine_error: bool = False
 
     def on_hazard(self, hazard: Hazard, rung: int, n_rungs: int, handoffs: int,
                   reproduced: bool | None = None) -> Action:
         """`reproduced`: for a repetition, whether the next rung continues the same loop."""
+        if hazard.check == "engine_error" and self.fail_on_engine_error:
+            return Stop(FinishReason.ERROR, fallback=False)
         if hazard.check == "repetition" and (reproduced or rung + 1 >= n_rungs):
             return Stop(FinishReason.REPETITION, fallback=False)
         if rung + 1 < n_rungs and handoffs < self.max_handoffs:

@@ -14,6 +14,7 @@ class FinishReason(StrEnum):
     REPETITION = "repetition"  # the model's own loop, confirmed by the reference rung
     DEGRADED = "degraded"  # a hazard with no rung left: the safe fallback answer
     ABORT = "abort"  # the client went away (or aborted): decoding stopped, the slot freed
+    ERROR = "error"  # an engine failure with no defence (a bare configuration): a 5xx
 
 
 @dataclass(frozen=True)

@@ -5,24 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from qladder.config import Settings
-from qladder.engines.base import Engine, Session, check_handoff, tokenizer_fingerprint
+from qladder.engines.base import Engine, Session, StepOutput, check_handoff, tokenizer_fingerprint
 from qladder.errors import ConfigError
 from qladder.model import ModelInfo, inspect_model
 
 RUNGS = ("int4", "w4a16", "fp32", "bf16")
 
-__all__ = ["RUNGS", "Engine", "Session", "check_handoff", "instrument", "load_engine", "tokenizer_fingerprint"]
+__all__ = ["RUNGS", "Engine", "Session", "StepOutput", "check_handoff", "instrument", "load_engine",
+           "tokenizer_fingerprint"]
 
 
 def instrument(engine: Engine, activations: bool, row_stats: bool) -> None:
     """Switch an engine's guard instruments: activation monitors, and row statistics computed with
-    the logits copy. Engines are shared, so each request (or a naive loop) sets what it needs."""
-    monitor = getattr(engine, "monitor_activations", None)
-    if monitor is not None:
-        monitor(activations)
-    stats = getattr(engine, "guard_row_stats", None)
-    if stats is not None:
-        stats(row_stats)
+    the logits copy (`Engine.instrument`). A single-sequence engine is used by one request at a
+    time, so each (or a naive loop) sets what it needs."""
+    engine.instrument(activations, row_stats)
 
 
 def load_engine(

@@ -8,7 +8,11 @@ An `Engine` holds loaded weights and a tokenizer; `Engine.open(prompt_ids)` pref
     s.push(token_id)                # accept a token; the next logits are computed
     s.rollback(n)                   # forget the last n tokens (KV cache truly truncated)
     s.extend(ids)                   # accept several tokens at once (catch-up after a handoff)
+    out = s.output()                # the step's row with what the guard needs (StepOutput)
     s.close()
+
+`engine.instrument(activations, row_stats)` switches what `output()` carries: the per-layer
+activation peaks of the last forward, and the row's sum/max/min computed with its copy.
 
 Rollback is exact: the KV entries of the dropped positions are removed, and the logits for the
 new last position are recomputed lazily by re-decoding that one token, so re-decoding after a
@@ -22,11 +26,23 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from qladder.errors import TokenizerMismatchError
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One step's outputs, as the guard reads them. Valid until the session's next call."""
+
+    row: torch.Tensor  # (V,) float32 next-token logits
+    stats: tuple[float, float, float] | None = None  # (sum, max, min) of `row`, when computed with its copy
+    peaks: torch.Tensor | None = None  # (L,) max |hidden| per layer of the last forward; None: unmonitored
+    rest_peaks: torch.Tensor | None = None  # (L,) the same away from the sequence's first position
+    activation_limit: float | None = None  # the compute dtype's max, with `peaks`
 
 
 @runtime_checkable
@@ -46,6 +62,10 @@ class Session(Protocol):
     def logits(self) -> torch.Tensor:
         """Next-token logits, (V,) float32 on the CPU. Valid until the next call on this session
         (engines may reuse one buffer): clone it to keep it."""
+        ...
+
+    def output(self) -> StepOutput:
+        """`logits()` with the step's row statistics and activation peaks, as instrumented."""
         ...
 
     def push(self, token_id: int) -> None:
@@ -74,6 +94,7 @@ class Engine(Protocol):
     n_ctx: int
     n_vocab: int
     eos_ids: frozenset[int]
+    monitor_is_cheap: bool  # whether activation peaks may be taken every step (torch hooks: yes)
 
     @property
     def fingerprint(self) -> str:
@@ -90,6 +111,10 @@ class Engine(Protocol):
 
     def open(self, prompt_ids: Sequence[int]) -> Session:
         """Prefill prompt ids and return a session positioned after them."""
+        ...
+
+    def instrument(self, activations: bool, row_stats: bool) -> None:
+        """What sessions' `output()` carries from now on (its owner thread sets it)."""
         ...
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qladder.engines.base import TokenIdsMixin, tokenizer_fingerprint
+from qladder.engines.base import StepOutput, TokenIdsMixin, tokenizer_fingerprint
 from qladder.engines.monitor import ActivationMonitor
 from qladder.errors import EngineError, InputError, ModelError
 from qladder.model import ModelInfo
@@ -131,6 +131,10 @@ class LlamaCppEngine(LlamaVocabMixin):
         self._fingerprint: str | None = None
         self._owner: LlamaCppSession | None = None
         self._cvec: np.ndarray | None = None
+
+    def instrument(self, activations: bool, row_stats: bool) -> None:
+        self.monitor_activations(activations)
+        self.guard_row_stats(row_stats)
 
     def guard_row_stats(self, enabled: bool = True) -> None:
         """Compute the guard's row statistics while copying each logits row (native helper)."""
@@ -247,6 +251,13 @@ class LlamaCppSession(TokenIdsMixin):
             np.copyto(self._row, np.ctypeslib.as_array(ptr, shape=(self._e.n_vocab,)))
             self._stats_valid = False
         return self._row_t  # (V,) float32
+
+    def output(self) -> StepOutput:
+        row = self.logits()
+        e = self._e
+        peaks = e.activation_peaks
+        return StepOutput(row, self.row_stats(), peaks, e.activation_rest_peaks if peaks is not None else None,
+                          e.activation_limit if peaks is not None else None)
 
     def row_stats(self) -> tuple[float, float, float] | None:
         """(sum, max, min) of the row the last `logits()` returned, when computed with it."""

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from qladder.engines.base import TokenIdsMixin, tokenizer_fingerprint
+from qladder.engines.base import StepOutput, TokenIdsMixin, tokenizer_fingerprint
 from qladder.errors import EngineError, InputError
 
 LogitsFn = Callable[[Sequence[int]], Sequence[float] | torch.Tensor]
@@ -20,6 +20,8 @@ LogitsFn = Callable[[Sequence[int]], Sequence[float] | torch.Tensor]
 
 class ScriptedEngine:
     """Tokens are characters: id i is chr(ord('a') + i) for a small vocabulary."""
+
+    monitor_is_cheap = True  # nothing to monitor
 
     def __init__(
         self,
@@ -67,6 +69,9 @@ class ScriptedEngine:
             raise EngineError(f"scripted logits have {row.numel()} entries, expected {self.n_vocab}")
         return row
 
+    def instrument(self, activations: bool, row_stats: bool) -> None:
+        pass  # no activations; the guard reduces the row itself
+
     def close(self) -> None:
         pass
 
@@ -84,6 +89,9 @@ class ScriptedSession(TokenIdsMixin):
         if self._row is None:
             self._row = self._e._row(self._ids)
         return self._row
+
+    def output(self) -> StepOutput:
+        return StepOutput(self.logits())
 
     def push(self, token_id: int) -> None:
         self.extend([token_id])

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from qladder.engines.base import TokenIdsMixin, tokenizer_fingerprint
+from qladder.engines.base import StepOutput, TokenIdsMixin, tokenizer_fingerprint
 from qladder.errors import EngineError, InputError, ModelError
 from qladder.model import ModelInfo
 
@@ -124,6 +124,14 @@ class TorchEngine:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
     # -- monitors and faults (hooks on decoder layers) ---------------------------------------
+    def instrument(self, activations: bool, row_stats: bool) -> None:
+        """Row statistics are the guard's own reductions here (torch is fast at them)."""
+        self.monitor_activations(activations)
+
+    @property
+    def monitored(self) -> bool:
+        return bool(self._monitor_handles)
+
     def monitor_activations(self, enabled: bool = True) -> None:
         """Record, after every decoder layer of each forward, max |hidden| over the batch into
         `activation_peaks` and the same without position 0 (the attention sink's massive
@@ -241,6 +249,13 @@ class TorchSession(TokenIdsMixin):
             self._forward([last])
         assert self._logits is not None
         return self._logits
+
+    def output(self) -> StepOutput:
+        row = self.logits()
+        e = self._engine
+        if not e.monitored:
+            return StepOutput(row)
+        return StepOutput(row, None, e.activation_peaks, e.activation_rest_peaks, e.activation_limit)
 
     def push(self, token_id: int) -> None:
         # After a rollback the KV cache is already right for every kept id; only the logits of

@@ -25,6 +25,7 @@ Thresholds are calibrated on clean traffic (`qladder calibrate`) and kept as nam
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ import torch
 from qladder.health.repetition import find_repetition
 from qladder.types import Hazard
 
+# The embedded model's identity (ModelInfo.identity): the per-layer bounds below were calibrated on it.
+_log = logging.getLogger("qladder.guard")
+
+SMOLLM2_IDENTITY = "Smollm2 135M 8k Lc100K Mix1 Ep2|llama|L30|D576|V49152|ft3"
 SMOLLM2_OUTLIER_LIMITS = (120.0, 650.0, 2000.0, 2000.0, 2000.0, 2000.0, 2000.0, 2000.0, 2000.0, 1310.0,
                           410.0, 390.0, 380.0, 420.0, 450.0, 400.0, 450.0, 410.0, 470.0, 530.0,
                           630.0, 660.0, 750.0, 910.0, 1170.0, 1300.0, 1390.0, 1760.0, 2000.0, 2000.0)
@@ -62,6 +67,10 @@ class GuardConfig:
     # 3 x each layer's clean max over the 329 corpus prompts (prefill and every 32nd decode step,
     # `qladder bench calibrate`: max 37.5 after layer 0, 906 in layers 2-8, 125-155 in 10-18).
     outlier_layer_limits: tuple[float, ...] | None = SMOLLM2_OUTLIER_LIMITS
+    # The model those limits were calibrated on (ModelInfo.identity): another model gets the
+    # ceiling alone, with a warning, until it is calibrated. None: apply them to any model with
+    # as many layers (hand-made limits, tests).
+    outlier_layer_limits_model: str | None = SMOLLM2_IDENTITY
     repetition_min_period: int = 1
     repetition_max_period: int = 64
     repetition_min_repeats: int = 8
@@ -88,18 +97,27 @@ GUARD_PRESETS: dict[str, GuardConfig] = {
 class StepGuard:
     """Pure checks on one step's outputs. Returns the first hazard found, or None."""
 
-    def __init__(self, config: GuardConfig = GUARD_PRESETS["default"]):
+    def __init__(self, config: GuardConfig = GUARD_PRESETS["default"], model_key: str | None = None):
+        """model_key: the identity of the model whose steps this guard judges (ModelInfo.identity)."""
         self.config = config
+        self.model_key = model_key
+        per = config.outlier_layer_limits
+        self.calibrated = per is not None and (config.outlier_layer_limits_model is None
+                                               or config.outlier_layer_limits_model == model_key)
+        if per is not None and not self.calibrated and config.check_activations:
+            _log.warning("the guard's per-layer outlier bounds were calibrated on %s, not on %s: using the "
+                         "ceiling %s alone until this model is calibrated (qladder bench calibrate)",
+                         config.outlier_layer_limits_model, model_key, config.outlier_limit)
         self._outlier_bounds: dict[int, list[float]] = {}
         self._outlier_bounds_on: dict[tuple[int, torch.device], torch.Tensor] = {}  # for device peaks
 
     def outlier_bounds(self, n_layer: int) -> list[float]:
         """The outlier bound of each of n_layer layers: the per-layer limits (capped by the
-        ceiling) when they were calibrated for this many layers, else the ceiling alone."""
+        ceiling) when they were calibrated for this model and depth, else the ceiling alone."""
         if n_layer not in self._outlier_bounds:
             c = self.config
             ceiling = c.outlier_limit if c.outlier_limit is not None else math.inf
-            per = c.outlier_layer_limits
+            per = c.outlier_layer_limits if self.calibrated else None
             self._outlier_bounds[n_layer] = ([min(v, ceiling) for v in per]
                                              if per is not None and len(per) == n_layer else [ceiling] * n_layer)
         return self._outlier_bounds[n_layer]

@@ -29,10 +29,12 @@ from qladder.config import Settings
 from qladder.engines.base import Engine, check_handoff
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp
 from qladder.errors import ConfigError, InputError
+from qladder.faults import Fault
 from qladder.health.guard import StepGuard
 from qladder.incidents import IncidentSink
 from qladder.machine import LadderConfig, MoveTo, Request, RequestMachine
 from qladder.model import ModelInfo, inspect_model
+from qladder.sampling import SamplingParams
 from qladder.serving.aborts import AbortRegistry
 from qladder.serving.scheduler import Int4Scheduler, SchedulerConfig
 from qladder.serving.standby import StandbyPool
@@ -100,28 +102,24 @@ class ServingEngine:
         self.standby_engines = list(standby_engines)
         self.rungs = [self.int4.name, *(e.name for e in self.standby_engines)]
         self.n_ctx = [c.n_ctx, *(e.n_ctx for e in self.standby_engines)]
-        self.guard = StepGuard(c.ladder.guard)
+        self._guards: dict[object, StepGuard] = {c.ladder.guard: StepGuard(c.ladder.guard, self.info.identity)}
         self.aborts = AbortRegistry()
-        check = c.ladder.guard.check_activations or c.ladder.guard.check_logits
         self.standby = StandbyPool({i + 1: e for i, e in enumerate(self.standby_engines)}, self.aborts,
                                    c.standby_sessions, c.standby_queue, on_return=self._return, clock=clock) \
             if self.standby_engines else None
-        self.scheduler = Int4Scheduler(self.int4, self.standby, self.aborts, c.scheduler,
-                                       monitor=c.ladder.guard.check_activations, row_stats=check, clock=clock)
+        self.scheduler = Int4Scheduler(self.int4, self.standby, self.aborts, c.scheduler, clock=clock)
 
     # -- the client interface --------------------------------------------------------------------
     @property
     def ready(self) -> bool:
         return self.scheduler.healthy
 
-    def request(self, prompt_ids: Sequence[int], params: object = None, request_id: str | None = None,
-                faults: Sequence[object] = (), prompt_text: str | None = None) -> Request:
+    def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                request_id: str | None = None, faults: Sequence[Fault] = (), prompt_text: str | None = None,
+                ladder: LadderConfig | None = None) -> Request:
         """A Request with a fresh id (token ids already sanitized and templated)."""
-        from qladder.sampling import SamplingParams
-
         return Request(request_id or uuid.uuid4().hex[:16], tuple(int(t) for t in prompt_ids),
-                       params if isinstance(params, SamplingParams) else SamplingParams(),
-                       tuple(faults), prompt_text)  # type: ignore[arg-type]
+                       params or SamplingParams(), tuple(faults), prompt_text, ladder)
 
     def _check(self, r: Request) -> None:
         if r.faults and not self.config.allow_faults:
@@ -162,8 +160,12 @@ class ServingEngine:
             raise
 
     def _machine(self, r: Request, emit: Callable[[Event], None]) -> RequestMachine:
+        ladder = r.ladder or self.config.ladder
+        guard = self._guards.get(ladder.guard)
+        if guard is None:  # one StepGuard per guard config, made on the submitting thread
+            guard = self._guards.setdefault(ladder.guard, StepGuard(ladder.guard, self.info.identity))
         return RequestMachine(r, self.rungs, self.n_ctx, self.int4.eos_ids, self.int4.detokenize_bytes,
-                              self.config.ladder, self.guard, self.incidents, emit, self.clock)
+                              ladder, guard, self.incidents, emit, self.clock)
 
     def _machine_for_test(self, r: Request) -> RequestMachine:
         """A machine as this engine builds them, not submitted anywhere (tests drive it)."""

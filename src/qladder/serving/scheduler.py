@@ -49,10 +49,12 @@ class SchedulerConfig:
     max_queue: int = 64  # waiting requests beyond the slots; more is a QueueFullError (429)
     prefill_chunk: int = 128  # prompt tokens per batch for one prefilling request
     activation_every: int = 32  # decode steps between monitored batches (prefill chunks always)
-    deadline_s: float = 2.0  # a decode past deadline_s + per-token allowance is a stall
+    # A decode past the tightest row's guard deadline (GuardConfig.step_deadline_s) plus this
+    # allowance per token in the batch is a stall (a prefill chunk of 128 tokens takes ~0.5 s here).
     deadline_per_token_s: float = 0.02
     watchdog_tick_s: float = 0.01
     probe_every_s: float = 1.0  # while unhealthy, a one-token probe this often
+    probe_deadline_s: float = 2.0
 
 
 @dataclass
@@ -78,14 +80,12 @@ class _Flight:
 
 class Int4Scheduler:
     def __init__(self, engine: BatchedLlamaCpp, standby: StandbyPool | None, aborts: AbortRegistry,
-                 config: SchedulerConfig | None = None, monitor: bool = True, row_stats: bool = True,
-                 clock: Callable[[], float] = time.perf_counter):
+                 config: SchedulerConfig | None = None, clock: Callable[[], float] = time.perf_counter):
         self.engine = engine
         self.standby = standby
         self.aborts = aborts
         self.config = config or SchedulerConfig()
-        self.monitor = monitor and engine.has_native
-        self.row_stats = row_stats
+        self.monitor = engine.has_native  # whether activation peaks can be had at all
         self.clock = clock
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._waiting: deque[_Slot] = deque()  # admitted to the queue, not yet in a slot
@@ -245,18 +245,24 @@ class Int4Scheduler:
         """One scheduler step: a decode of every decoding row, then one prefill chunk alone
         (llama.cpp decodes a prompt apart from other sequences' rows: see llamacpp_batch)."""
         entries, batch, prefilling = self._plan()
-        monitor = self.monitor and self.steps % self.config.activation_every == 0
         if entries:
-            self._run_batch(entries, batch, monitor)
+            self._run_batch(entries, batch, self.steps % self.config.activation_every == 0)
         if prefilling is not None and prefilling.slot in self._slots:
             chunk = prefilling.feed[: self.config.prefill_chunk]
             last = len(chunk) == len(prefilling.feed)
-            self._run_batch([Entry(prefilling.slot, chunk, prefilling.n_past, logits=last)], [prefilling],
-                            self.monitor)  # prompt-triggered outliers show at prefill: always monitored
+            # Prompt-triggered outliers show at prefill: prefill chunks are always monitored.
+            self._run_batch([Entry(prefilling.slot, chunk, prefilling.n_past, logits=last)], [prefilling], True)
         self.steps += 1
 
-    def _run_batch(self, entries: list[Entry], batch: list[_Slot], monitor: bool) -> None:
+    def _run_batch(self, entries: list[Entry], batch: list[_Slot], monitor_due: bool) -> None:
+        """One llama_decode, watched. Each request's own guard config decides what it needs: the
+        batch is monitored when one of its rows checks activations (and it is due), row stats are
+        computed when one checks logits, and the deadline is the tightest row's."""
         cfg = self.config
+        guards = [s.m.config.guard for s in batch]
+        monitor = self.monitor and monitor_due and any(g.check_activations for g in guards)
+        row_stats = any(g.check_logits for g in guards)
+        deadline = min(g.step_deadline_s for g in guards)
         for e, s in zip(entries, batch, strict=True):
             stall = s.m.stall_due() if e.logits else None
             if stall is not None:
@@ -265,14 +271,14 @@ class Int4Scheduler:
                 else:  # no native helpers: a hang in Python, still inside the watched window
                     self._arm_python_stall(stall)
         n_tokens = sum(len(e.ids) for e in entries)
-        flight = _Flight(self.steps, self.clock(), cfg.deadline_s + cfg.deadline_per_token_s * n_tokens, batch)
+        flight = _Flight(self.steps, self.clock(), deadline + cfg.deadline_per_token_s * n_tokens, batch)
         with self._flight_lock:
             self._flight = flight
         error: str | None = None
         t0 = time.perf_counter()
         try:
             self._python_stall()
-            self.engine.decode(entries, monitor=monitor, row_stats=self.row_stats)
+            self.engine.decode(entries, monitor=monitor, row_stats=row_stats)
         except EngineError as exc:
             error = str(exc)
         t1 = time.perf_counter()
@@ -344,7 +350,7 @@ class Int4Scheduler:
         if not self._free:
             return
         slot = self._free[0]
-        flight = _Flight(self.steps, self.clock(), self.config.deadline_s, [])
+        flight = _Flight(self.steps, self.clock(), self.config.probe_deadline_s, [])
         with self._flight_lock:
             self._flight = flight
         try:

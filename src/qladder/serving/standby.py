@@ -58,9 +58,7 @@ class StandbyPool:
         self.bugs: list[BaseException] = []  # exceptions of our own code, raised again by close()
         self._thread = threading.Thread(target=self._run, name="qladder-standby", daemon=True)
         for e in self.engines.values():
-            monitor = getattr(e, "monitor_activations", None)
-            if monitor is not None:
-                monitor(True)  # owned by this pool from here on: handoffs are always monitored
+            e.instrument(True, True)  # owned by this pool from here on: handoffs are always monitored
         self._thread.start()
 
     # -- any thread ------------------------------------------------------------------------------
@@ -187,21 +185,17 @@ class StandbyPool:
     def _step(self, t: _Task) -> bool:
         m, s = t.m, t.session
         assert s is not None
-        engine = self.engines[m.rung]
         t0 = self.clock()
         try:
             if t.unpushed:
                 t.unpushed = False
                 s.push(m.accepted[-1])
-            row = s.logits()
+            out = s.output()
         except EngineError as exc:
             row, hazard = m.judge(None, None, None, None, None, 0.0, error=str(exc))
         else:
-            took = self.clock() - t0
-            peaks = getattr(engine, "activation_peaks", None)
-            rest = getattr(engine, "activation_rest_peaks", None)
-            limit = getattr(engine, "activation_limit", None)
-            row, hazard = m.judge(row, None, peaks, rest, limit, took)
+            row, hazard = m.judge(out.row, out.stats, out.peaks, out.rest_peaks, out.activation_limit,
+                                  self.clock() - t0)
         if hazard is not None:
             t.action = m.on_hazard(hazard, row)
             t.started = self.clock()

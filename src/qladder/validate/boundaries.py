@@ -94,11 +94,10 @@ def _first_diff(a: Sequence[int], b: Sequence[int]) -> int | None:
 def precision_sweep(engines: dict[str, Engine], prompts: Sequence[tuple[str, list[int]]], xs: Sequence[float],
                     n_tokens: int, tick: Tick = lambda: None) -> dict[str, Any]:
     """Points for every (prompt, rung, x) and a per-(rung, x) summary. `engines` must hold fp32."""
-    guard = StepGuard(GUARD_PRESETS["default"])
+    info = getattr(engines["fp32"], "info", None)
+    guard = StepGuard(GUARD_PRESETS["default"], info.identity if info is not None else None)
     for e in engines.values():
-        monitor = getattr(e, "monitor_activations", None)
-        if monitor is not None:
-            monitor(True)
+        e.instrument(True, False)
     points = []
     for pid, ids in prompts:
         clean = trace(engines["fp32"], ids, n_tokens, [], guard).tokens

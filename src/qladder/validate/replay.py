@@ -1,18 +1,21 @@
 """The two configurations the validation compares, and one request through each.
 
+Both run on the same serving engine (`qladder.serving`: the batched int4 context, its scheduler,
+the fp32 standby), one request at a time, so the only difference between them is the defence:
+
 bare:     the int4 engine served naively, as a plain llama.cpp server would: no sanitizer (raw
           bytes are decoded with U+FFFD replacement), the chat template, greedy decoding of every
-          row as it comes (argmax of an all-NaN row returns index 0), no guard, no deadline. An
-          engine exception ends the request as a 5xx; a prompt longer than the context is refused
-          (a 4xx); text the tokenizer cannot encode (a lone surrogate) raises, a 5xx. The engine's
-          activation monitor is switched off for bare requests.
-          This is a tiny loop of its own (`greedy`), not the Ladder with its guard off: the Ladder
-          catches engine errors and answers with a fallback, which is already a defence.
-guarded:  sanitizer "default" + step guard "default" + ladder int4 -> fp32 (`qladder.service`).
+          row as it comes (argmax of an all-NaN row returns index 0), guard "off" (no checks, no
+          deadline, no watchdog), and an engine failure ends the request as a 5xx
+          (`LadderPolicy.fail_on_engine_error`) instead of a handoff or the fallback; a prompt
+          longer than the context is refused (a 4xx); text the tokenizer cannot encode (a lone
+          surrogate) raises, a 5xx. No incident records.
+guarded:  sanitizer "default" + step guard "default" + ladder int4 -> fp32, the engine's defaults.
           Any exception escaping it is counted as a 5xx, with its type.
 
-Both configurations share the loaded engines; faults are applied identically (FaultySession for
-step faults, `engine_faults` for activation gains), through `qladder.faults`.
+Faults are applied identically to both (`Request.faults`, on the request's own row or slot).
+`greedy` is the naive loop over a single-sequence session, kept for the boundary sweeps and the
+standby replay.
 """
 
 from __future__ import annotations
@@ -22,14 +25,19 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from qladder.engines import instrument
+from qladder.config import Settings
 from qladder.engines.base import Engine
-from qladder.errors import EngineError, InputError
+from qladder.errors import InputError
 from qladder.faults import Fault, FaultySession, engine_faults
+from qladder.health.guard import GUARD_PRESETS
+from qladder.incidents import IncidentSink
+from qladder.machine import LadderConfig
 from qladder.model import ModelInfo, user_prompt_ids
+from qladder.policy import LadderPolicy
 from qladder.sampling import SamplingParams
 from qladder.service import Qladder
-from qladder.types import FALLBACK_TEXT
+from qladder.serving import ServingConfig, ServingEngine
+from qladder.types import FALLBACK_TEXT, FinishReason
 from qladder.validate.corpora import Prompt
 from qladder.validate.garbage import judge
 
@@ -110,18 +118,22 @@ def greedy(engine: Engine, ids: Sequence[int], max_tokens: int, faults: Sequence
     return out
 
 
+BARE_LADDER = LadderConfig(guard=GUARD_PRESETS["off"], policy=LadderPolicy(fail_on_engine_error=True),
+                           record_incidents=False)
+
+
 class Bare:
     """The int4 engine served naively (see the module docstring)."""
 
     name = "bare"
 
-    def __init__(self, engine: Engine, info: ModelInfo):
-        self.engine = engine
+    def __init__(self, served: ServingEngine, info: ModelInfo):
+        self.se = served
         self.info = info
 
     def encode(self, prompt: str | bytes) -> list[int]:
         text = prompt.decode("utf-8", "replace") if isinstance(prompt, bytes) else prompt
-        return user_prompt_ids(self.info.chat_template, text, self.engine.tokenize)
+        return user_prompt_ids(self.info.chat_template, text, self.se.int4.tokenize)
 
     def prompt_ids(self, p: Prompt, max_tokens: int) -> list[int]:
         """The ids this configuration feeds its engine for a prompt (as `Guarded.prompt_ids`)."""
@@ -129,23 +141,21 @@ class Bare:
 
     def run(self, p: Prompt, population: str, fault_name: str, faults: Sequence[Fault],
             params: SamplingParams) -> Outcome:
-        instrument(self.engine, activations=False, row_stats=False)  # a naive server runs no guard
         o = Outcome("bare", p.id, p.cls, population, fault_name, "ok")
         t0 = time.perf_counter()
         try:
             ids = self.encode(p.prompt)
             o.prompt_tokens = len(ids)
-            if len(ids) >= self.engine.n_ctx:
+            if len(ids) >= self.se.int4.n_ctx:
                 o.status, o.error_kind = "rejected", "context_overflow"
             else:
-                timings: dict[str, float] = {}
-                o.token_ids = greedy(self.engine, ids, params.max_tokens, faults, timings)
-                o.prefill_ms = timings.get("prefill_ms", 0.0)
-                o.token_rungs = [self.engine.name] * len(o.token_ids)
-                o.text = self.engine.detokenize(o.token_ids)
-                o.finish_reason = "length" if len(o.token_ids) >= params.max_tokens else "stop"
-        except EngineError as exc:
-            o.status, o.error_kind = "error", f"engine_error: {exc}"[:160]
+                r = self.se.generate_sync(self.se.request(ids, params, faults=faults, ladder=BARE_LADDER))
+                o.token_ids, o.token_rungs, o.text = r.token_ids, r.token_rungs, r.text
+                o.prefill_ms = r.timings.get("prefill_ms", 0.0)
+                o.finish_reason = str(r.finish_reason)
+                if r.finish_reason == FinishReason.ERROR:
+                    detail = r.hazards[-1].detail if r.hazards else ""
+                    o.status, o.error_kind = "error", f"engine_error: {detail}"[:160]
         except InputError as exc:  # a naive server does not catch the tokenizer's complaint
             o.status, o.error_kind = "error", f"unencodable_text: {exc}"[:160]
         except Exception as exc:  # anything else escaping a naive server is a 500 too
@@ -156,11 +166,12 @@ class Bare:
 
 
 class Guarded:
-    """Sanitizer + step guard + ladder, through the service layer."""
+    """Sanitizer + step guard + ladder, on the serving engine (`q` only encodes prompts)."""
 
     name = "guarded"
 
-    def __init__(self, q: Qladder):
+    def __init__(self, served: ServingEngine, q: Qladder):
+        self.se = served
         self.q = q
 
     def prompt_ids(self, p: Prompt, max_tokens: int) -> list[int]:
@@ -178,7 +189,9 @@ class Guarded:
         o = Outcome("guarded", p.id, p.cls, population, fault_name, "ok")
         t0 = time.perf_counter()
         try:
-            r = self.q.answer(p.prompt, params, list(faults), request_id=f"{p.id}:{fault_name}").result
+            ids, text, _ = self.q.prepare(p.prompt, params.max_tokens)
+            r = self.se.generate_sync(self.se.request(ids, params, request_id=f"{p.id}:{fault_name}",
+                                                      faults=faults, prompt_text=text))
             o.text, o.token_ids, o.token_rungs = r.text, r.token_ids, r.token_rungs
             o.finish_reason, o.fallback, o.prompt_tokens = str(r.finish_reason), r.fallback, r.prompt_tokens
             o.hazards = [h.check for h in r.hazards]
@@ -191,6 +204,19 @@ class Guarded:
         o.wall_ms = (time.perf_counter() - t0) * 1e3
         o.judge(o.finish_reason == "length")
         return o
+
+
+def serve(info: ModelInfo, fp32: Engine, settings: Settings, incidents: IncidentSink | None
+          ) -> tuple[ServingEngine, Bare, Guarded]:
+    """One serving engine (one slot, fp32 standby, faults allowed: this is the test harness) and
+    the two configurations over it."""
+    from qladder.sanitize import PRESETS
+
+    se = ServingEngine(ServingConfig(slots=1, n_ctx=settings.n_ctx, int4_threads=settings.n_threads,
+                                     standby_threads=settings.n_threads, allow_faults=True),
+                       info, settings, incidents, standby_engines=[fp32])
+    q = Qladder(engines=[se.int4, fp32], model=info, settings=settings, sanitize_config=PRESETS["default"])
+    return se, Bare(se, info), Guarded(se, q)
 
 
 def agreement(tokens: Sequence[int], reference: Sequence[int]) -> tuple[float, float]:

@@ -143,7 +143,8 @@ class Run:
     cleanup: list[Path] = field(default_factory=list)  # temporary folders (patched GGUF copies)
     patches: dict[str, dict[str, object]] = field(default_factory=dict)  # what each copy changed
     standby: dict[str, Any] = field(default_factory=dict)  # the concurrent standby replay
-    patched: dict[str, tuple[Any, Bare, Guarded]] = field(default_factory=dict)  # fault model -> engine, configs
+    patched: dict[str, tuple[Bare, Guarded]] = field(default_factory=dict)  # fault model -> configs
+    served: list[Any] = field(default_factory=list)  # serving engines to close (main, patched copies)
 
     def total_steps(self) -> int:
         c = self.cfg
@@ -196,26 +197,21 @@ def load_engines(run: Run, progress: Progress) -> None:
 
 
 def configs(run: Run, incidents: Any) -> tuple[Bare, Guarded]:
-    from qladder.ladder import LadderConfig
-    from qladder.sanitize import PRESETS
-    from qladder.service import Qladder
+    from qladder.validate.replay import serve
 
     e = run.engines
-    q = Qladder(engines=[e["int4"], e["fp32"]], model=e["info"], settings=e["settings"],
-                ladder_config=LadderConfig(), sanitize_config=PRESETS["default"], incidents=incidents)
-    return Bare(e["int4"], e["info"]), Guarded(q)
+    se, bare, guarded = serve(e["info"], e["fp32"], e["settings"], incidents)
+    run.served.append(se)
+    return bare, guarded
 
 
 def patched_configs(run: Run, model: FaultModel, guarded: Guarded) -> tuple[Bare, Guarded]:
-    """Bare and guarded on an int4 engine loaded on a patched copy of the GGUF (built once)."""
+    """Bare and guarded on a serving engine loaded on a patched copy of the GGUF (built once)."""
     import tempfile
 
-    from qladder.engines import load_engine
     from qladder.faults import GGUF_PATCHES
-    from qladder.ladder import LadderConfig
     from qladder.model import inspect_model
-    from qladder.sanitize import PRESETS
-    from qladder.service import Qladder
+    from qladder.validate.replay import serve
 
     if model.name not in run.patched:
         e = run.engines
@@ -224,12 +220,10 @@ def patched_configs(run: Run, model: FaultModel, guarded: Guarded) -> tuple[Bare
         dst = tmp / f"{model.name}.gguf"
         run.patches[model.name] = GGUF_PATCHES[model.patch](e["info"].path, dst, **dict(model.gguf_patch or ()))
         info = inspect_model(dst, tmp)
-        engine = load_engine("int4", info, e["settings"])
-        q = Qladder(engines=[engine, e["fp32"]], model=info, settings=e["settings"], ladder_config=LadderConfig(),
-                    sanitize_config=PRESETS["default"], incidents=guarded.q.ladder.incidents)
-        run.patched[model.name] = (engine, Bare(engine, info), Guarded(q))
-    _, b, g = run.patched[model.name]
-    return b, g
+        se, b, g = serve(info, e["fp32"], e["settings"], guarded.se.incidents)
+        run.served.append(se)
+        run.patched[model.name] = (b, g)
+    return run.patched[model.name]
 
 
 @contextlib.contextmanager
@@ -487,8 +481,8 @@ def validate(cfg: ValidateConfig, out_dir: Path, show_progress: bool = True,
         for name in ("int4", "fp32", "w4a16"):
             if name in run.engines:
                 run.engines[name].close()
-        for engine, _, _ in run.patched.values():
-            engine.close()
+        for se in run.served:
+            se.close()
         for folder in run.cleanup:
             shutil.rmtree(folder, ignore_errors=True)
     results["elapsed_s"] = time.perf_counter() - t_start

@@ -90,6 +90,17 @@ class TestEngineContract:
             s.close()
             engine.instrument(False, False)
 
+    def test_detokenize_bytes_agrees_across_engines_and_with_the_text(self, engine):
+        """Handoff by ids needs one text for one id sequence on every rung."""
+        if isinstance(engine, ScriptedEngine):
+            ids = [1, 2, 3]
+            assert engine.detokenize_bytes(ids).decode() == engine.detokenize(ids)
+            return
+        ids = engine.tokenize("Hola 😊🌍 · naïve — 東京 <|im_end|>", True)
+        data = engine.detokenize_bytes(ids)
+        assert data == get_engine("int4").detokenize_bytes(ids)
+        assert data.decode("utf-8") == engine.detokenize(ids)
+
     def test_greedy_decode_is_deterministic(self, engine):
         p = _prompt(engine)
         s1 = engine.open(p)

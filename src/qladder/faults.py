@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from qladder.engines.base import Engine, Session, StepOutput
+from qladder.engines.base import Engine, Session, StepOutput, byte_level_table
 from qladder.errors import ConfigError, EngineError
 
 MASSIVE_ACTIVATION = 24_900.0  # SmolLM2-135M, layer 11-12, channel 507, FP32, first token
@@ -237,20 +237,12 @@ def corrupt_gguf_scale(src: Path, dst: Path, tensor: str = "blk.11.ffn_down.weig
 # -- glitch tokens: scaled input embeddings of rare byte tokens, through the real int4 kernels -----
 
 
-def _byte_pieces() -> dict[str, int]:
-    """GPT-2 byte-level BPE's printable stand-in for each byte (the public bytes-to-unicode table):
-    printable Latin-1 bytes stand for themselves, the other 68 bytes map to U+0100 onwards."""
-    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    extra = [b for b in range(256) if b not in set(keep)]
-    return {**{chr(b): b for b in keep}, **{chr(0x100 + n): b for n, b in enumerate(extra)}}
-
-
 def byte_fallback_tokens(pieces: Sequence[str]) -> list[int]:
     """Ids of single-byte tokens for bytes that ordinary text never produces alone: UTF-8 lead and
     continuation bytes (>= 0x80, left over when rare Unicode such as emoji ZWJ sequences has no
     merge) and C0 controls other than tab, newline and carriage return. These are the
     under-trained tokens of byte-level vocabularies."""
-    table = _byte_pieces()
+    table = byte_level_table()
     rare = {b for b in range(256) if b >= 0x80 or (b < 0x20 and b not in (9, 10, 13)) or b == 0x7F}
     return [i for i, p in enumerate(pieces) if p in table and table[p] in rare]
 

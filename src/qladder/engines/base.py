@@ -24,6 +24,7 @@ Handoff between engines is by token ids only, allowed when their `fingerprint`s 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -105,7 +106,11 @@ class Engine(Protocol):
         """Token ids of text; `special` parses special-token text like `<|im_start|>`."""
         ...
 
-    def detokenize(self, token_ids: Sequence[int]) -> bytes:
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids (special tokens left out; a partial character as U+FFFD)."""
+        ...
+
+    def detokenize_bytes(self, token_ids: Sequence[int]) -> bytes:
         """The UTF-8 bytes of token ids (may end inside a multi-byte character)."""
         ...
 
@@ -138,6 +143,15 @@ class TokenIdsMixin:
     def _check_rollback(self, n: int) -> None:
         if n < 0 or n >= len(self._ids):
             raise ValueError(f"cannot roll back {n} of {len(self._ids)} tokens")
+
+
+@functools.cache
+def byte_level_table() -> dict[str, int]:
+    """GPT-2 byte-level BPE's printable stand-in for each byte (the public bytes-to-unicode table):
+    printable Latin-1 bytes stand for themselves, the other 68 bytes map to U+0100 onwards."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = [b for b in range(256) if b not in set(keep)]
+    return {**{chr(b): b for b in keep}, **{chr(0x100 + n): b for n, b in enumerate(extra)}}
 
 
 def tokenizer_fingerprint(pieces: Iterable[str], special_ids: dict[str, int | None]) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from qladder.engines.base import StepOutput, TokenIdsMixin, tokenizer_fingerprint
+from qladder.engines.base import StepOutput, TokenIdsMixin, byte_level_table, tokenizer_fingerprint
 from qladder.errors import EngineError, InputError, ModelError
 from qladder.model import ModelInfo
 
@@ -91,6 +91,7 @@ class TorchEngine:
         self.n_layer = int(self.model.config.num_hidden_layers)
         self.eos_ids = frozenset({info.eos_id})
         self._fingerprint: str | None = None
+        self._pieces: list[bytes] | None = None
         # Activation monitor: per-layer max |hidden| of the last forward, preallocated.
         self.activation_peaks = torch.zeros(self.n_layer, dtype=torch.float32)
         self.activation_rest_peaks = torch.zeros(self.n_layer, dtype=torch.float32)
@@ -122,6 +123,19 @@ class TorchEngine:
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def detokenize_bytes(self, token_ids: Sequence[int]) -> bytes:
+        """Byte-level BPE pieces mapped back to their bytes (special tokens left out), as
+        llama.cpp's detokenize gives them: a piece may end inside a character."""
+        if self._pieces is None:
+            table = byte_level_table()
+            special = set(self.tokenizer.all_special_ids)
+            toks = self.tokenizer.convert_ids_to_tokens(list(range(self.n_vocab)))
+            self._pieces = [b"" if i in special else
+                            bytes(table[c] for c in t) if all(c in table for c in t) else t.encode("utf-8")
+                            for i, t in enumerate(toks)]
+        pieces = self._pieces
+        return b"".join(pieces[t] for t in token_ids)
 
     # -- monitors and faults (hooks on decoder layers) ---------------------------------------
     def instrument(self, activations: bool, row_stats: bool) -> None:

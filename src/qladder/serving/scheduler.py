@@ -99,6 +99,7 @@ class Int4Scheduler:
         self._stop = False
         self.healthy = True
         self.dead: BaseException | None = None  # set (under _count_lock) if the thread died of a bug
+        self._accepting = True  # cleared (under _count_lock) when the thread ends
         self._last_probe = 0.0
         self.steps = 0
         self.stalls = 0
@@ -115,18 +116,22 @@ class Int4Scheduler:
     # -- any thread --------------------------------------------------------------------------------
     def submit(self, m: RequestMachine) -> None:
         """Queue a request (the caller gives its machine up). Raises QueueFullError."""
-        with self._count_lock:
-            if self.dead is not None:
+        with self._count_lock:  # the put is inside the lock: nothing lands after the final drain
+            if self.dead is not None or not self._accepting:
                 raise EngineDeadError("the int4 scheduler is gone") from self.dead
             if self._n_waiting >= self.config.max_queue + self.engine.n_slots:
                 raise QueueFullError(f"{self._n_waiting} requests waiting for the int4 pool", retry_after_s=1.0)
             self._n_waiting += 1
-        self._inbox.put(("new", m))
+            self._inbox.put(("new", m))
         self._wake.set()
 
     def resubmit(self, m: RequestMachine, started: float) -> None:
         """A request the standby hands back to rung 0 (policy `return_after`)."""
-        self._inbox.put(("return", (m, started)))
+        with self._count_lock:
+            if not self._accepting:
+                m.finish(FinishReason.ABORT)
+                return
+            self._inbox.put(("return", (m, started)))
         self._wake.set()
 
     def wake(self) -> None:
@@ -159,6 +164,8 @@ class Int4Scheduler:
             with self._count_lock:
                 self.dead = exc
         finally:
+            with self._count_lock:
+                self._accepting = False
             self._take_inbox()
             ended = FinishReason.ABORT if self.dead is None else FinishReason.DEGRADED
             for s in [*self._slots.values(), *self._waiting]:
@@ -247,7 +254,7 @@ class Int4Scheduler:
         entries, batch, prefilling = self._plan()
         if entries:
             self._run_batch(entries, batch, self.steps % self.config.activation_every == 0)
-        if prefilling is not None and prefilling.slot in self._slots:
+        if prefilling is not None and prefilling.slot in self._slots and self.healthy:
             chunk = prefilling.feed[: self.config.prefill_chunk]
             last = len(chunk) == len(prefilling.feed)
             # Prompt-triggered outliers show at prefill: prefill chunks are always monitored.

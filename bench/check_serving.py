@@ -27,4 +27,5 @@ if __name__ == "__main__":
         print(f"{key} = {v:.3f}  {'PASS' if v is not None and v >= target else 'FAIL'} (>= {target})")
     f = data["results"]["guarded_faulted"]
     for c, row in f.items():
-        print(f"faulted c{c}: {row['clean_answers']}/{row['requests']} clean")
+        print(f"faulted c{c}: {row['faulted_clean_via_standby']}/{row['faulted']} faulted answered clean through"
+              f" the standby; {row['clean_answers']}/{row['requests']} clean in all")

@@ -262,3 +262,35 @@ def test_a_bug_in_our_code_is_not_a_hazard(served, monkeypatch):
     assert m.done is not None and m.done.fallback and m.done.hazards == []
     with pytest.raises(EngineDeadError):
         pool.close()
+
+
+def test_a_copied_prefix_gives_the_rows_of_a_full_prefill(model_info, settings):
+    """The chat template's system turn is prefilled once; a slot that copies its KV and decodes
+    the rest of the prompt gives bit-identical rows to a full prefill, on every later step too."""
+    import torch
+
+    from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
+    from qladder.serving.engine import template_prefix
+
+    e = BatchedLlamaCpp(model_info, n_slots=2, n_ctx=256, native_dir=settings.cache_dir)
+    try:
+        pre = template_prefix(model_info, e.tokenize)
+        e.cache_prefix(pre)
+        ids = user_prompt_ids(model_info.chat_template, "Name three colors.", e.tokenize)
+        assert len(pre) >= 16 and tuple(ids[:len(pre)]) == e.prefix
+
+        def rows(slot, cached):
+            held = e.copy_prefix(slot) if cached else 0
+            e.decode([Entry(slot, ids[held:], held)])
+            pos, out = len(ids), []
+            for _ in range(12):
+                out.append(e.row(slot).clone())
+                e.decode([Entry(slot, [e.argmax(slot)], pos)])
+                pos += 1
+            e.truncate(slot, 0)
+            return out
+
+        full, copied = rows(0, False), rows(1, True)
+        assert all(torch.equal(a, b) for a, b in zip(full, copied, strict=True))
+    finally:
+        e.close()

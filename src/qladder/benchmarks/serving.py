@@ -1,17 +1,22 @@
 """`qladder bench serving`: many requests at once on the INT4 pool, guarded vs bare vs a raw loop.
 
-The same prompts (EOS ignored, so every answer is `max_tokens` long unless the guard ends a loop)
-run at each concurrency through:
+The same prompts (EOS ignored, so every answer is `max_tokens` long) run at each concurrency
+through the configurations below. Prompts are screened first (`_loop_free`): forced past its end
+a 135M model often loops, and the guard would end those answers early, which is its policy, not
+its cost; the prompts kept are those whose raw greedy answer never loops by the guard's rules, so
+every configuration does the same work (the JSON records how many were screened and which kept).
     guarded          the serving engine with the default guard, standby fp32
     bare             the serving engine with the guard off and no standby (scheduler cost only)
     raw              a batched llama.cpp loop over the same engine API with no scheduler: decode
-                     every active row, prefill one waiting prompt alone, argmax (the ceiling)
+                     every active row, prefill one waiting prompt alone (after the same cached
+                     system-turn prefix), argmax (the ceiling)
     guarded_faulted  guarded, with `fault_share` of the requests given `nan@step=K` (K seeded,
                      uniform in [1, max_tokens / 2]): they must end clean through the standby
 Clients are closed-loop: `concurrency` threads each take the next prompt when their last answer
 is done. Configurations rotate inside each concurrency level (interleaved), so slow drift of the
 machine hits them alike. Per request: TTFT (submit -> first accepted token) and the intervals
-between accepted tokens; aggregate tok/s = tokens / wall time of the level.
+between accepted tokens; aggregate tok/s = tokens / wall time of the level (median of the
+rounds); in the faulted run `unfaulted_tok_s` counts the tokens of the unfaulted requests only.
 """
 
 from __future__ import annotations
@@ -30,14 +35,16 @@ from qladder.benchmarks.common import environment, percentile
 from qladder.config import Settings
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
 from qladder.faults import parse_fault
-from qladder.health.guard import GUARD_PRESETS
+from qladder.health.guard import GUARD_PRESETS, GuardConfig
+from qladder.health.repetition import find_repetition
 from qladder.machine import LadderConfig
 from qladder.model import inspect_model, user_prompt_ids
 from qladder.sampling import SamplingParams
 from qladder.serving import SchedulerConfig, ServingConfig, ServingEngine
+from qladder.serving.engine import template_prefix
 from qladder.validate.corpora import load_corpora, subset
 
-Sample = tuple[float, list[float], int, bool]  # ttft_s, token intervals (s), tokens, clean
+Sample = tuple[float, list[float], int, bool, bool]  # ttft_s, token intervals (s), tokens, clean, faulted
 
 
 def _closed_loop(n_clients: int, jobs: list[Any], run: Callable[[Any], Sample]) -> tuple[float, list[Sample]]:
@@ -70,7 +77,9 @@ def _serve(se: ServingEngine, params: SamplingParams) -> Callable[[Any], Sample]
         r = se.generate_sync(se.request(ids, params, faults=[fault] if fault is not None else []))
         intervals = [ms / 1e3 for ms in r.step_ms]
         clean = r.finish_reason.value in ("stop", "length", "repetition") and not r.fallback
-        return r.timings.get("ttft_ms", float("nan")) / 1e3, intervals, len(r.token_ids), clean
+        if fault is not None:  # a faulted request is clean only when the standby finished it
+            clean = clean and bool(r.handoffs) and r.token_rungs[-1] != "int4"
+        return r.timings.get("ttft_ms", float("nan")) / 1e3, intervals, len(r.token_ids), clean, fault is not None
 
     return run
 
@@ -97,23 +106,69 @@ def _raw(engine: BatchedLlamaCpp, prompts: list[list[int]], concurrency: int, ma
         for slot, a in list(active.items()):
             if a["n"] >= max_tokens:
                 ts = a["times"]
-                out.append((ts[0] - a["t"], [b - x for x, b in itertools.pairwise(ts)], a["n"], True))
+                out.append((ts[0] - a["t"], [b - x for x, b in itertools.pairwise(ts)], a["n"], True, False))
                 engine.truncate(slot, 0)
                 free.append(slot)
                 del active[slot]
                 asked.append(now)  # that client sends its next request now
         if waiting and free:
             k, slot, t = waiting.pop(0), free.pop(0), asked.pop(0)
-            engine.decode([Entry(slot, prompts[k], 0)])  # a prompt alone, as the scheduler does
+            p = prompts[k]
+            held = engine.copy_prefix(slot) if tuple(p[:len(engine.prefix)]) == engine.prefix else 0
+            engine.decode([Entry(slot, p[held:], held)])  # a prompt alone, as the scheduler does
             first = int(np.argmax(engine.row(slot).numpy()))
             active[slot] = {"pos": len(prompts[k]), "last": first, "n": 1, "t": t, "times": [time.perf_counter()]}
     return time.perf_counter() - t0, out
+
+
+def _loop_free(engine: BatchedLlamaCpp, candidates: list[list[int]], max_tokens: int, n: int,
+               guard: GuardConfig) -> tuple[list[list[int]], dict[str, Any]]:
+    """The first n candidates whose `max_tokens`-token greedy answer (EOS ignored) never repeats
+    itself by the guard's loop rules. Forced past its end, a 135M model often loops; the guard
+    then stops that answer early, which is its policy, not its cost: every configuration here
+    must do the same work. Greedy answers are bit-identical on every configuration (one KV
+    stream per slot), so the raw loop's tokens tell what the guard would see."""
+    kept: list[int] = []
+    start = 0
+    rules = ((guard.repetition_short_max_period, guard.repetition_short_min_repeats, guard.repetition_short_min_span),
+             (guard.repetition_max_period, guard.repetition_min_repeats, guard.repetition_min_span))
+    slots = engine.n_slots
+    for start in range(0, len(candidates), slots):
+        group = candidates[start:start + slots]
+        answers = _raw_answers(engine, group, max_tokens)
+        for k, toks in enumerate(answers):
+            loops = any(find_repetition(toks[:i], guard.repetition_min_period, mp, rep, span) is not None
+                        for mp, rep, span in rules for i in range(span, len(toks) + 1))
+            if not loops:
+                kept.append(start + k)
+        if len(kept) >= n:
+            break
+    kept = kept[:n]
+    return [candidates[k] for k in kept], {"candidates_screened": min(len(candidates), start + slots),
+                                           "kept": kept, "rule": "no loop by the default guard's repetition "
+                                           "rules within the answer (raw greedy, EOS ignored)"}
+
+
+def _raw_answers(engine: BatchedLlamaCpp, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    out: list[list[int]] = []
+    for slot, p in enumerate(prompts):
+        engine.decode([Entry(slot, p, 0)])
+        out.append([int(np.argmax(engine.row(slot).numpy()))])
+    for _ in range(max_tokens - 1):
+        engine.decode([Entry(slot, [toks[-1]], len(prompts[slot]) + len(toks) - 1)
+                       for slot, toks in enumerate(out)])
+        for slot, toks in enumerate(out):
+            toks.append(int(np.argmax(engine.row(slot).numpy())))
+    for slot in range(len(prompts)):
+        engine.truncate(slot, 0)
+    return out
 
 
 def _summary(runs: list[tuple[float, list[Sample]]]) -> dict[str, Any]:
     """tok_s: the median over rounds of tokens / wall; latencies pooled over the rounds."""
     samples = [s for _, ss in runs for s in ss]
     rates = [sum(s[2] for s in ss) / wall for wall, ss in runs if wall]
+    others = [sum(s[2] for s in ss if not s[4]) / wall for wall, ss in runs if wall]
     tokens = sum(s[2] for s in samples)
     ttft = [s[0] * 1e3 for s in samples]
     per_tok = [x * 1e3 for s in samples for x in s[1]]
@@ -121,7 +176,9 @@ def _summary(runs: list[tuple[float, list[Sample]]]) -> dict[str, Any]:
             "tok_s": statistics.median(rates) if rates else None,
             "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
             "token_p50_ms": percentile(per_tok, 50), "token_p99_ms": percentile(per_tok, 99),
-            "clean_answers": sum(s[3] for s in samples)}
+            "unfaulted_tok_s": statistics.median(others) if others else None,
+            "clean_answers": sum(s[3] for s in samples), "faulted": sum(s[4] for s in samples),
+            "faulted_clean_via_standby": sum(s[3] and s[4] for s in samples)}
 
 
 def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: tuple[int, ...] = (1, 4, 8, 16),
@@ -138,15 +195,19 @@ def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: t
     bare = ServingEngine(ServingConfig(**common, standby_rungs=(),  # type: ignore[arg-type]
                                        ladder=LadderConfig(guard=GUARD_PRESETS["off"])), info, settings)
     raw = BatchedLlamaCpp(info, n_slots=slots, n_ctx=n_ctx, n_threads=int4_threads, native_dir=None)
+    raw.cache_prefix(template_prefix(info, raw.tokenize))  # the same prefill work as the engine's
     try:
         normal, _ = load_corpora()
-        corpus = [p for p in subset(normal, max(1, -(-n_prompts // 4))) if isinstance(p.prompt, str)][:n_prompts]
-        prompts = [user_prompt_ids(info.chat_template, p.prompt, raw.tokenize) for p in corpus]
+        corpus = [p for p in subset(normal, max(1, -(-3 * n_prompts // 8))) if isinstance(p.prompt, str)]
+        candidates = [user_prompt_ids(info.chat_template, p.prompt, raw.tokenize) for p in corpus]
+        prompts, screened = _loop_free(raw, candidates, max_tokens, n_prompts, GUARD_PRESETS["default"])
+        screened["ids"] = [corpus[k].id for k in screened.pop("kept")]
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        rng = random.Random(seed)
-        faulted = [parse_fault(f"nan@step={rng.randint(1, max_tokens // 2)}") if rng.random() < fault_share
-                   else None for _ in prompts]
-        n_faulted = sum(f is not None for f in faulted)
+        rng = random.Random(seed)  # exactly round(share x prompts) faulted requests, seeded
+        hit = set(rng.sample(range(len(prompts)), max(1, round(fault_share * len(prompts))) if fault_share else 0))
+        faulted = [parse_fault(f"nan@step={rng.randint(1, max_tokens // 2)}") if k in hit else None
+                   for k in range(len(prompts))]
+        n_faulted = len(hit)
         # Warm-up: one short pass of each configuration (page faults, caches, first-call costs).
         warm = prompts[:2]
         short = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -182,7 +243,8 @@ def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: t
                   "faulted_over_guarded_c8": ratio(results["guarded_faulted"].get("8", {}).get("tok_s"),
                                                    g.get("8", {}).get("tok_s"))}
         return {"benchmark": "serving", "environment": environment(int4_threads),
-                "setup": {"prompts": len(prompts), "max_tokens": max_tokens, "ignore_eos": True, "greedy": True,
+                "setup": {"prompts": len(prompts), "prompt_screen": screened, "max_tokens": max_tokens,
+                          "ignore_eos": True, "greedy": True,
                           "concurrency": list(concurrency), "slots": slots, "n_ctx_per_slot": n_ctx,
                           "int4_threads": int4_threads, "standby_threads": standby_threads,
                           "standby": "fp32, 4 sessions round-robin", "faulted_requests": n_faulted,

@@ -104,12 +104,12 @@ class BatchedLlamaCpp(LlamaVocabMixin):
                 self._native = load_native(native_dir)
             except EngineError as exc:  # no compiler: unmonitored, plain copies, stalls not injectable
                 self.native_error = str(exc)
-        self._alloc(n_slots, n_batch)
+        self._alloc(n_slots + 1, n_batch)  # the slots and the prefix cache stream
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = n_slots * n_ctx
+        params.n_ctx = (n_slots + 1) * n_ctx  # one more stream: the shared prefix cache
         self.kv_unified = kv_unified
         params.n_batch = params.n_ubatch = n_batch
-        params.n_seq_max = n_slots
+        params.n_seq_max = n_slots + 1
         params.kv_unified = kv_unified
         params.n_threads = params.n_threads_batch = n_threads
         if self._native is not None:
@@ -129,6 +129,8 @@ class BatchedLlamaCpp(LlamaVocabMixin):
             lib.qladder_argmax.argtypes = [ctypes.c_void_p, ctypes.c_int64]
             lib.qladder_argmax.restype = ctypes.c_int64
         self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self.prefix: tuple[int, ...] = ()  # ids whose KV the cache stream holds
+        self._cache_slot = n_slots
 
     def _alloc(self, n_slots: int, n_batch: int) -> None:
         """Batch arrays and per-slot outputs, allocated once; the C side points into them."""
@@ -266,6 +268,26 @@ class BatchedLlamaCpp(LlamaVocabMixin):
         """Keep the slot's first `keep` positions (0: free the slot's KV)."""
         if not self._lib.llama_memory_seq_rm(self._memory, slot, keep, -1):
             raise EngineError(f"llama_memory_seq_rm failed on slot {slot}")
+
+    def cache_prefix(self, ids: Sequence[int]) -> None:
+        """Prefill `ids` (a prefix every prompt shares: the chat template's system turn) once,
+        into a stream of its own. It is decoded alone, as any prompt is: a slot that copies it
+        and decodes the rest of its prompt gets the rows a full prefill gives (a chunked prefill
+        is bit-identical here)."""
+        self.truncate(self._cache_slot, 0)
+        self.prefix = ()
+        if ids:
+            self.decode([Entry(self._cache_slot, list(ids), 0, logits=False)])
+            self.prefix = tuple(int(t) for t in ids)
+
+    def copy_prefix(self, slot: int) -> int:
+        """Give `slot` the cached prefix's KV (a copy of the whole cache stream, ~n_ctx x 30
+        layers of K and V, done at the next decode: a few ms, against ~0.1 s to prefill it).
+        Returns the positions the slot now holds."""
+        if not self.prefix:
+            return 0
+        self._lib.llama_memory_seq_cp(self._memory, self._cache_slot, slot, -1, -1)
+        return len(self.prefix)
 
     def set_gain(self, slot: int, layer: int, channel: int, add: float) -> None:
         """Add `add` to channel `channel` of layer `layer`'s output, on this slot's rows only."""

@@ -106,6 +106,7 @@ class Int4Scheduler:
         self.decode_s = 0.0  # time inside llama_decode
         self.rows_s = 0.0  # time in the per-row work after it (guard, sampling, text, events)
         self.rows = 0
+        self.prefix_hits = 0  # admissions that copied the cached prefix instead of prefilling it
         # (step, event, request id, slot) of recent admissions and releases, for tests and metrics
         self.slot_log: deque[tuple[int, str, str, int]] = deque(maxlen=4096)
         self._thread = threading.Thread(target=self._run, name="qladder-int4", daemon=True)
@@ -215,6 +216,11 @@ class Int4Scheduler:
             s.slot = self._free.pop(0)
             self.engine.truncate(s.slot, 0)
             self._slots[s.slot] = s
+            prefix = self.engine.prefix
+            if prefix and s.n_past == 0 and len(s.feed) > len(prefix) and tuple(s.feed[:len(prefix)]) == prefix:
+                s.n_past = self.engine.copy_prefix(s.slot)  # the shared system turn, prefilled once
+                del s.feed[:s.n_past]
+                self.prefix_hits += 1
             for f in s.m.req.faults:  # an activation outlier through the real kernels, this slot only
                 if f.kind == "gain":
                     self.engine.set_gain(s.slot, f.layer, f.channel, (f.x - 1.0) * MASSIVE_ACTIVATION)

@@ -2,10 +2,10 @@
 
 Each iteration:
     take new requests and aborts from the inbox; admit waiting requests into free slots (FIFO)
-    one llama_decode of the last accepted token of every decoding slot (monitored every
-      `activation_every` steps), then one of a prefill chunk (`prefill_chunk` tokens, always
-      monitored) of at most one prefilling slot, so a long prompt never stalls the others for
-      more than one chunk a step
+    one llama_decode of a prefill chunk (`prefill_chunk` tokens, always monitored) of at most
+      one prefilling slot, so a long prompt never stalls the others for more than one chunk a
+      step; then one of the last accepted token of every decoding slot (monitored every
+      `activation_every` steps), the slot whose prefill just ended among them
     per row: the request's machine judges its own row (guard, step faults) and acts:
       Continue -> the token is pushed next step; MoveTo/Verify -> the request leaves for the
       standby (its slot is freed); Done -> the slot is freed
@@ -255,16 +255,19 @@ class Int4Scheduler:
         return entries, batch, prefilling
 
     def _step(self) -> None:
-        """One scheduler step: a decode of every decoding row, then one prefill chunk alone
-        (llama.cpp decodes a prompt apart from other sequences' rows: see llamacpp_batch)."""
-        entries, batch, prefilling = self._plan()
-        if entries:
-            self._run_batch(entries, batch, self.steps % self.config.activation_every == 0)
-        if prefilling is not None and prefilling.slot in self._slots and self.healthy:
+        """One scheduler step: one prefill chunk alone (llama.cpp decodes a prompt apart from
+        other sequences' rows: see llamacpp_batch), then a decode of every decoding row, the
+        request whose prefill just ended among them. Prefill first: a new request's first token
+        does not wait for a decode step of the others (~60 ms at 8 rows)."""
+        _, _, prefilling = self._plan()
+        if prefilling is not None:
             chunk = prefilling.feed[: self.config.prefill_chunk]
             last = len(chunk) == len(prefilling.feed)
             # Prompt-triggered outliers show at prefill: prefill chunks are always monitored.
             self._run_batch([Entry(prefilling.slot, chunk, prefilling.n_past, logits=last)], [prefilling], True)
+        entries, batch, _ = self._plan()
+        if entries and self.healthy:
+            self._run_batch(entries, batch, self.steps % self.config.activation_every == 0)
         self.steps += 1
 
     def _run_batch(self, entries: list[Entry], batch: list[_Slot], monitor_due: bool) -> None:

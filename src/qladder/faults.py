@@ -113,6 +113,15 @@ def fault_row(row: torch.Tensor, faults: Sequence[Fault], step: int) -> torch.Te
     return row
 
 
+def stall_due(faults: Sequence[Fault], step: int, stalled: set[int]) -> float | None:
+    """Seconds a stall fault hangs `step` (once: the step is added to `stalled`), else None."""
+    for f in faults:
+        if f.kind == "stall" and f.step == step and step not in stalled:
+            stalled.add(step)
+            return f.stall_s
+    return None
+
+
 class FaultySession:
     """Wraps a session and corrupts its steps from `fault.step` on. Implements Session."""
 
@@ -138,11 +147,10 @@ class FaultySession:
     def output(self) -> StepOutput:
         out = self._inner.output()
         step = self._inner.n_tokens - self._prompt_len
-        for f in self._faults:
-            if f.kind == "stall" and step == f.step and step not in self._stalled:
-                self._stalled.add(step)
-                self._sleep(f.stall_s)
-        row = fault_row(out.row, [f for f in self._faults if f.kind != "stall"], step)
+        stall = stall_due(self._faults, step, self._stalled)
+        if stall is not None:
+            self._sleep(stall)
+        row = fault_row(out.row, self._faults, step)
         return out if row is out.row else dataclasses.replace(out, row=row, stats=None)
 
     def push(self, token_id: int) -> None:

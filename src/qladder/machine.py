@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qladder.errors import EngineError
-from qladder.faults import Fault, fault_row
+from qladder.faults import Fault, fault_row, stall_due
 from qladder.health.guard import GUARD_PRESETS, GuardConfig, StepGuard
 from qladder.health.repetition import loop_start
 from qladder.incidents import Incident, IncidentSink, prompt_hash
@@ -157,11 +157,7 @@ class RequestMachine:
 
     def stall_due(self) -> float | None:
         """Seconds an injected stall fault hangs this step on rung 0 (once), else None."""
-        for f in self.faults_here():
-            if f.kind == "stall" and f.step == self.step and self.step not in self._stalled:
-                self._stalled.add(self.step)
-                return f.stall_s
-        return None
+        return stall_due(self.faults_here(), self.step, self._stalled)
 
     # -- one step --------------------------------------------------------------------------------
     def judge(self, row: torch.Tensor | None, stats: tuple[float, float, float] | None,
@@ -173,7 +169,7 @@ class RequestMachine:
         if error is not None:
             return None, Hazard("engine_error", name, self.step, detail=error)
         assert row is not None
-        faults = [f for f in self.faults_here() if f.kind != "stall"]
+        faults = self.faults_here()
         if faults:
             try:
                 faulted = fault_row(row, faults, self.step)

@@ -267,5 +267,144 @@ def bench_calibrate(
     typer.echo(json.dumps(out))
 
 
+@app.command()
+def serve(
+    config: Annotated[Path | None, typer.Option(help="Topology TOML file (pools, breakers, ...).")] = None,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    api_key: Annotated[list[str] | None, typer.Option("--api-key", help="Accepted bearer key (repeatable).")] = None,
+    api_keys_file: Annotated[Path | None, typer.Option("--api-keys-file", help="Bearer keys, one a line.")] = None,
+    allow_faults: Annotated[bool, typer.Option("--allow-faults", help="Let requests inject faults.")] = False,
+    redact: Annotated[bool, typer.Option("--redact", help="Store prompt fingerprints only.")] = False,
+    incidents: Annotated[Path | None, typer.Option(help="SQLite file for incident records.")] = None,
+    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+) -> None:
+    """Serve the ladder over HTTP, OpenAI-compatible (chat/completions, completions, models, metrics)."""
+    import dataclasses
+    import logging
+
+    from qladder.server.serve import build_server, is_loopback, run
+    from qladder.server.topology import load_topology
+
+    _quiet_libraries()
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        t = load_topology(config)
+        over: dict[str, object] = {}
+        if allow_faults:
+            over["allow_faults"] = True
+        if redact:
+            over["redact"] = True
+        if incidents is not None:
+            over["incidents"] = str(incidents)
+        t = dataclasses.replace(t, server=dataclasses.replace(t.server, **over))  # type: ignore[arg-type]
+        keys = list(api_key or [])
+        if api_keys_file is not None:
+            try:
+                keys += [k.strip() for k in api_keys_file.read_text().splitlines() if k.strip()]
+            except OSError as exc:
+                raise QladderError(f"cannot read the keys file {api_keys_file}: {exc.strerror}") from exc
+        if not keys and not is_loopback(host):
+            typer.echo(f"qladder: warning: serving on {host} beyond loopback with no API key; "
+                       "anyone who can reach it can use it (--api-key or --api-keys-file)", err=True)
+        if t.server.allow_faults:
+            typer.echo("qladder: warning: --allow-faults: clients can inject faults (validation and load tests only)",
+                       err=True)
+        server = build_server(t, api_keys=keys)
+    except QladderError as exc:
+        _fail(str(exc))
+        return
+    typer.echo(f"qladder: serving {t.server.model_name} on http://{host}:{port}/v1 "
+               f"(pools: {', '.join(p.name + '=' + '+'.join(p.rungs) for p in t.pools)})", err=True)
+    run(server, host, port, log_level)
+
+
+incidents_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The incident store: list, show, replay.")
+app.add_typer(incidents_app, name="incidents")
+
+
+def _store(db: Path | None) -> IncidentStore:
+    from qladder.config import Settings
+    from qladder.incidents import IncidentStore
+
+    path = db or Settings.from_env().cache_dir / "incidents.sqlite3"
+    if not path.exists():
+        raise QladderError(f"no incident store at {path}")
+    return IncidentStore(path)
+
+
+DbOption = Annotated[Path | None, typer.Option("--db", help="The SQLite file (default: <cache>/incidents.sqlite3).")]
+SinceOption = Annotated[str | None, typer.Option(help="Only incidents since: an ISO time, or an age like 30m, 2h, 1d.")]
+
+
+@incidents_app.command("list")
+def incidents_list(db: DbOption = None, limit: int = 50, since: SinceOption = None,
+                   as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """The newest incidents, one line each."""
+    from qladder.incident_replay import parse_since
+
+    try:
+        store = _store(db)
+        rows = store.rows(limit, parse_since(since))
+        store.close()
+    except QladderError as exc:
+        _fail(str(exc))
+        return
+    if as_json:
+        typer.echo(json.dumps(rows, default=str))
+        return
+    import datetime as dt
+
+    for r in rows:
+        when = dt.datetime.fromtimestamp(r["ts"], dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        typer.echo(f"{r['id']:>6}  {when}  {r['rung']:<6} {r['check_name']:<11} step {r['step']:<4} "
+                   f"{r['action']:<16} prompt {r['prompt_hash']}  req {r['request_id']}")
+
+
+@incidents_app.command("show")
+def incidents_show(incident_id: Annotated[int, typer.Argument(help="The incident's id.")], db: DbOption = None) -> None:
+    """One incident in full, as JSON."""
+    try:
+        store = _store(db)
+        row = store.get(incident_id)
+        store.close()
+        if row is None:
+            raise QladderError(f"no incident {incident_id}")
+    except QladderError as exc:
+        _fail(str(exc))
+        return
+    typer.echo(json.dumps(row, indent=2, default=str, ensure_ascii=False))
+
+
+@incidents_app.command("replay")
+def incidents_replay(
+    db: DbOption = None,
+    rungs: Annotated[str, typer.Option(help="Rungs to replay the stored prompts on.")] = "int4,fp32",
+    since: SinceOption = None,
+    limit: Annotated[int, typer.Option(help="At most this many distinct prompts.")] = 20,
+    with_faults: Annotated[bool, typer.Option("--with-faults", help="Inject the recorded faults again.")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Replay stored prompts against chosen rungs (greedy) and say whether each hazard reproduces."""
+    from qladder.incident_replay import parse_since, replay_incidents
+
+    _quiet_libraries()
+    try:
+        store = _store(db)
+        rows = store.rows(100_000, parse_since(since))
+        store.close()
+        out = replay_incidents(rows, [r.strip() for r in rungs.split(",") if r.strip()], limit, with_faults)
+    except QladderError as exc:
+        _fail(str(exc))
+        return
+    if as_json:
+        typer.echo(json.dumps(out))
+        return
+    for r in out["replays"]:
+        verdicts = "  ".join(f"{rung}: {v['verdict']}" for rung, v in r["rungs"].items())
+        typer.echo(f"prompt {r['prompt_hash']}  (incidents {','.join(map(str, r['incident_ids']))}; "
+                   f"was {r['check']} on {r['rung']} at step {r['step']})  {verdicts}")
+
+
 def main() -> None:  # pragma: no cover
     app()

@@ -1,9 +1,21 @@
-"""Incident records in SQLite: every hazard, with the offending prompt for offline replay."""
+"""Incident records in SQLite: every hazard, with the offending prompt for offline replay.
+
+    store = IncidentStore(path, redact=False)    WAL mode: readers never block the writer; a committed
+                                                 row survives a kill -9 of the process
+    writer = IncidentWriter(store)               the sink a server hands its engines: enqueue only,
+                                                 one writer thread commits (off the decode loop)
+    store.rows(), store.get(id), store.count()   what `qladder incidents list|show|replay` reads
+
+With `redact`, only the prompt's fingerprint is kept (no text, no token ids): such a row cannot be
+replayed. The fingerprint is the hash of the sanitized, templated token ids (`prompt_hash`).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import queue
 import sqlite3
 import threading
 import time
@@ -34,7 +46,10 @@ CREATE TABLE IF NOT EXISTS incidents (
     detail TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS incidents_prompt ON incidents(prompt_hash);
+CREATE INDEX IF NOT EXISTS incidents_ts ON incidents(ts);
 """
+
+_log = logging.getLogger("qladder.incidents")
 
 
 def prompt_hash(prompt_ids: Sequence[int]) -> str:
@@ -63,13 +78,16 @@ IncidentSink = Callable[[Incident], None]
 
 
 class IncidentStore:
-    """An append-only SQLite table; safe to share between threads."""
+    """An append-only SQLite table (WAL mode); one connection, shared between threads under a lock."""
 
-    def __init__(self, path: str | Path = ":memory:"):
+    def __init__(self, path: str | Path = ":memory:", redact: bool = False):
         if str(path) != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self.path = str(path)
+        self.redact = redact
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=10.0)
         self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a committed row survives a process crash
         self._db.executescript(SCHEMA)
         self._lock = threading.Lock()
 
@@ -77,25 +95,48 @@ class IncidentStore:
         self.record(incident)
 
     def record(self, inc: Incident) -> None:
-        h = inc.hazard
-        row = (inc.ts or time.time(), _storable(inc.request_id), inc.prompt_hash, _storable(inc.prompt_text),
-               json.dumps(inc.prompt_ids), h.rung, h.step, h.check, h.layer, _finite(h.value),
-               _finite(h.threshold), inc.action, inc.handoff_latency_ms, json.dumps(inc.faults), _storable(h.detail))
+        self.record_many([inc])
+
+    def record_many(self, incidents: Sequence[Incident]) -> None:
+        """Insert the rows in one transaction (committed together, or not at all)."""
+        rows = [self._row(inc) for inc in incidents]
         with self._lock:
-            self._db.execute(
-                "INSERT INTO incidents (ts, request_id, prompt_hash, prompt_text, prompt_ids, rung, step,"
-                " check_name, layer, value, threshold, action, handoff_latency_ms, faults, detail)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", row)
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany(
+                    "INSERT INTO incidents (ts, request_id, prompt_hash, prompt_text, prompt_ids, rung, step,"
+                    " check_name, layer, value, threshold, action, handoff_latency_ms, faults, detail)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _row(self, inc: Incident) -> tuple[Any, ...]:
+        h = inc.hazard
+        text, ids = (None, "null") if self.redact else (_storable(inc.prompt_text), json.dumps(inc.prompt_ids))
+        return (inc.ts or time.time(), _storable(inc.request_id), inc.prompt_hash, text, ids, h.rung, h.step,
+                h.check, h.layer, _finite(h.value), _finite(h.threshold), inc.action, inc.handoff_latency_ms,
+                json.dumps(inc.faults), _storable(h.detail))
 
     def count(self) -> int:
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM incidents").fetchone()[0])
 
-    def rows(self, limit: int = 1000) -> list[dict[str, Any]]:
+    def rows(self, limit: int = 1000, since: float | None = None) -> list[dict[str, Any]]:
+        """The newest `limit` rows (at or after `since`, a Unix time), newest first."""
         with self._lock:
-            cur = self._db.execute("SELECT * FROM incidents ORDER BY id DESC LIMIT ?", (limit,))
+            cur = self._db.execute("SELECT * FROM incidents WHERE ts >= ? ORDER BY id DESC LIMIT ?",
+                                   (since if since is not None else float("-inf"), limit))
             names = [c[0] for c in cur.description]
             return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+    def get(self, incident_id: int) -> dict[str, Any] | None:
+        with self._lock:
+            cur = self._db.execute("SELECT * FROM incidents WHERE id = ?", (incident_id,))
+            names = [c[0] for c in cur.description]
+            row = cur.fetchone()
+        return dict(zip(names, row, strict=True)) if row is not None else None
 
     def close(self) -> None:
         with self._lock:
@@ -119,3 +160,63 @@ def _finite(x: float | None) -> float | str | None:
     if x is None:
         return None
     return x if x == x and abs(x) != float("inf") else str(x)
+
+
+class IncidentWriter:
+    """The incident sink of a server: `__call__` only enqueues (the engine's threads never wait
+    on the disk); one writer thread commits what has queued up, a transaction per batch. A full
+    queue or a failing disk never loses an incident silently: it goes to the log as JSON and is
+    counted in `dropped`."""
+
+    def __init__(self, store: IncidentStore, max_queue: int = 10_000,
+                 on_commit: Callable[[int], None] | None = None):
+        self.store = store
+        self.on_commit = on_commit  # called with each batch's size after its commit (metrics)
+        self._q: queue.Queue[Incident | None] = queue.Queue(maxsize=max_queue)
+        self.committed = 0
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name="qladder-incidents", daemon=True)
+        self._thread.start()
+
+    def __call__(self, inc: Incident) -> None:
+        try:
+            self._q.put_nowait(inc)
+        except queue.Full:
+            self._lose([inc], "the incident queue is full")
+
+    def _run(self) -> None:
+        while True:
+            first = self._q.get()
+            batch = [first]
+            while len(batch) < 256:
+                try:
+                    batch.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in batch
+            incs = [i for i in batch if i is not None]
+            if incs:
+                try:
+                    self.store.record_many(incs)
+                except Exception as exc:
+                    self._lose(incs, f"the incident store failed: {exc!r}")
+                else:
+                    self.committed += len(incs)
+                    if self.on_commit is not None:
+                        self.on_commit(len(incs))
+            if stop:
+                return
+
+    def _lose(self, incs: Sequence[Incident], why: str) -> None:
+        self.dropped += len(incs)
+        for inc in incs:
+            _log.error("%s; the incident: %s", why, json.dumps(inc.to_dict(), default=str, ensure_ascii=True))
+
+    @property
+    def pending(self) -> int:
+        return self._q.qsize()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Commit what is queued, then stop the thread (the store stays open: its owner closes it)."""
+        self._q.put(None)
+        self._thread.join(timeout_s)

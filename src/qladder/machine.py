@@ -32,7 +32,7 @@ from qladder.health.repetition import loop_start
 from qladder.incidents import Incident, IncidentSink, prompt_hash
 from qladder.policy import Handoff as HandoffAction
 from qladder.policy import LadderPolicy, Stop
-from qladder.sampling import Sampler, SamplingParams
+from qladder.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 from qladder.stream import TextStream, TokenBytes
 from qladder.types import (
     FALLBACK_TEXT,
@@ -69,6 +69,7 @@ class Request:
     faults: tuple[Fault, ...] = ()  # test machinery: only where the operator allowed faults
     prompt_text: str | None = None
     ladder: LadderConfig | None = None  # operator-only override of the engine's guard and policy
+    start_rung: int = 0  # a router's choice: 1.. starts on the standby (a quarantined prompt, an open breaker)
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,9 @@ class RequestMachine:
         self.token_rungs: list[str] = []
         self.hazards: list[Hazard] = []
         self.handoffs: list[Handoff] = []
-        self.rung = 0
+        self.rung = request.start_rung
         self.streak = 0
+        self.logprobs: list[TokenLogprob] | None = [] if request.params.logprobs is not None else None
         self.pending_incidents: list[Incident] = []
         self.handoff_started: tuple[float, str, int, int, bool] | None = None
         self.t0 = clock()
@@ -199,6 +201,8 @@ class RequestMachine:
         self.last_accept = now
         self.stream.push(int(token))
         self.token_rungs.append(self.rungs[self.rung])
+        if self.logprobs is not None:
+            self.logprobs.append(token_logprob(row, int(token), self.params.logprobs or 0))
         self.streak += 1
         self.release()
         if self.stream.stopped_at is not None:
@@ -214,8 +218,9 @@ class RequestMachine:
         start = self.stream.released
         n, text = self.stream.release(final)
         if n:
+            lps = self.logprobs[start:start + n] if self.logprobs is not None else None
             self.emit(TokenEvent(self.request_id, self.stream.ids[start:start + n],
-                                 self.token_rungs[start:start + n], text))
+                                 self.token_rungs[start:start + n], text, lps))
 
     def on_hazard(self, hazard: Hazard, row: torch.Tensor | None) -> Action:
         """Drop the step; record the hazard; ask the policy (a repetition first asks the next rung)."""
@@ -302,6 +307,7 @@ class RequestMachine:
         self.done = GenerationResult(text=text, token_ids=list(ids), token_rungs=self.token_rungs[:len(ids)],
                                      finish_reason=reason, prompt_tokens=len(self.prompt),
                                      hazards=list(self.hazards), handoffs=list(self.handoffs),
-                                     fallback=fallback, timings=dict(self.timings), step_ms=self.step_ms)
+                                     fallback=fallback, timings=dict(self.timings), step_ms=self.step_ms,
+                                     logprobs=self.logprobs[:len(ids)] if self.logprobs is not None else None)
         self.emit(FinalEvent(self.request_id, self.done))
         return self.done

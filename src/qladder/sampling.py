@@ -18,6 +18,7 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks: always decode max_tokens
+    logprobs: int | None = None  # None: off; k >= 0: each token's log-probability and its top k alternatives
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -28,10 +29,31 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ConfigError(f"logprobs (top alternatives) must be in [0, 20], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the rung that produced it (the raw logits row,
+    before temperature and top-p), and the `k` most likely alternatives as (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(row: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    lp = torch.log_softmax(row.float(), dim=-1)  # (V,)
+    top: tuple[tuple[int, float], ...] = ()
+    if k:
+        vals, idx = torch.topk(lp, k)
+        top = tuple((int(i), float(v)) for i, v in zip(idx.tolist(), vals.tolist(), strict=True))
+    return TokenLogprob(int(token), float(lp[token]), top)
 
 
 class Sampler:

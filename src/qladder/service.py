@@ -12,14 +12,15 @@ from pathlib import Path
 from qladder.config import Settings
 from qladder.engines import load_engine
 from qladder.engines.base import Engine
-from qladder.errors import ConfigError, InputError
+from qladder.errors import ConfigError
 from qladder.faults import Fault
 from qladder.incidents import IncidentSink
 from qladder.ladder import Ladder, LadderConfig
-from qladder.model import Message, ModelInfo, encode_segments, inspect_model, render_chat
+from qladder.model import Message, ModelInfo, inspect_model
+from qladder.prepare import Preparer
 from qladder.sampling import SamplingParams
 from qladder.sanitize import PRESETS as SANITIZE_PRESETS
-from qladder.sanitize import SanitizeConfig, SanitizeResult, sanitize, sanitize_bytes
+from qladder.sanitize import SanitizeConfig, SanitizeResult
 from qladder.types import GenerationResult
 
 
@@ -63,37 +64,11 @@ class Qladder:
     def n_ctx(self) -> int:
         return min(e.n_ctx for e in self.engines)
 
-    def _count_tokens(self, text: str) -> int:
-        return len(self.engines[0].tokenize(text, False))
-
-    def encode_messages(self, messages: Sequence[Message], max_tokens: int) -> tuple[list[int], list[SanitizeResult]]:
-        """Sanitize each message's content, render the chat template, and tokenize."""
-        budget = self.n_ctx - max_tokens - 64  # room for the template and the answer
-        if budget < 16:
-            raise InputError(f"max_tokens {max_tokens} leaves no room for a prompt in a context of {self.n_ctx}")
-        cleaned: list[Message] = []
-        reports: list[SanitizeResult] = []
-        for m in messages:
-            rep = sanitize(m["content"], self.sanitize_config, count_tokens=self._count_tokens,
-                           max_tokens=budget // max(len(messages), 1))
-            reports.append(rep)
-            cleaned.append({"role": m["role"], "content": rep.text})
-        segments = render_chat(self.info.chat_template, cleaned)
-        return encode_segments(segments, self.engines[0].tokenize), reports
-
     def prepare(self, prompt: str | bytes | Sequence[Message], max_tokens: int
                 ) -> tuple[list[int], str, list[SanitizeResult]]:
-        """Sanitize, template and tokenize: the ids, the prompt text (for incidents), the reports."""
-        if isinstance(prompt, bytes):
-            first = sanitize_bytes(prompt, self.sanitize_config)
-            messages: Sequence[Message] = [{"role": "user", "content": first.text}]
-            pre = [first]
-        elif isinstance(prompt, str):
-            messages, pre = [{"role": "user", "content": prompt}], []
-        else:
-            messages, pre = prompt, []
-        ids, reports = self.encode_messages(messages, max_tokens)
-        return ids, "\n".join(m["content"] for m in messages), pre + reports
+        """Sanitize, template and tokenize (see `qladder.prepare.Preparer`)."""
+        return Preparer(self.info, self.engines[0].tokenize, self.n_ctx, self.sanitize_config).prepare(
+            prompt, max_tokens)
 
     def answer(self, prompt: str | bytes | Sequence[Message], params: SamplingParams | None = None,
                faults: Sequence[Fault] = (), request_id: str | None = None) -> Answer:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from qladder.sampling import TokenLogprob
 
 
 class FinishReason(StrEnum):
@@ -69,6 +72,7 @@ class GenerationResult:
     fallback: bool = False  # the text is (or ends in) the safe fallback answer
     timings: dict[str, float] = field(default_factory=dict)
     step_ms: list[float] = field(default_factory=list)  # per emitted token after the first
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
     @property
     def degraded(self) -> bool:
@@ -104,6 +108,7 @@ class TokenEvent:
     token_ids: list[int]
     rungs: list[str]
     text: str
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 from qladder.config import Settings
@@ -41,13 +42,34 @@ from qladder.serving.scheduler import Int4Scheduler, SchedulerConfig
 from qladder.serving.standby import StandbyPool
 from qladder.types import Event, FinalEvent, GenerationResult
 
+_log = logging.getLogger("qladder.serving")
+
 
 @runtime_checkable
 class EngineClient(Protocol):
     """What a front end (CLI, HTTP server) needs from the serving engine, and nothing more."""
 
-    def generate(self, request: Request) -> AsyncIterator[Event]:
-        """Events of one request, ending with its FinalEvent. Raises QueueFullError at submit."""
+    rungs: list[str]  # the ladder, rung 0 first (request.start_rung indexes it)
+    n_ctx: list[int]  # each rung's context, in tokens
+
+    def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                request_id: str | None = None, faults: Sequence[Fault] = (), prompt_text: str | None = None,
+                ladder: LadderConfig | None = None, start_rung: int = 0) -> Request:
+        """A Request for this engine; nothing is submitted yet."""
+        ...
+
+    def add_observer(self, observe: Callable[[Event], None]) -> None:
+        """Call `observe` with every event of every request (on a serving thread; before the first
+        submit), whether or not the request's client still listens."""
+        ...
+
+    def stats(self) -> dict[str, object]:
+        """Pool state for metrics: slots, slots_in_use, queue_depth, standby_depth, ..."""
+        ...
+
+    def generate(self, request: Request) -> AsyncEvents:
+        """Submit the request now (QueueFullError, InputError, ConfigError raised here) and return
+        its events, ending with its FinalEvent; `aclose()` before that aborts it."""
         ...
 
     def abort(self, request_id: str) -> bool:
@@ -84,13 +106,42 @@ def template_prefix(info: ModelInfo, tokenize: Callable[[str, bool], list[int]])
     return a[:n]
 
 
+class AsyncEvents:
+    """One request's events on the caller's event loop, ending with its FinalEvent. Closing it
+    early (`aclose`, as `async for` does not) aborts the request: its slot frees at the next step."""
+
+    def __init__(self, request_id: str, q: asyncio.Queue[Event], abort: Callable[[str], bool]):
+        self.request_id = request_id
+        self._q = q
+        self._abort = abort
+        self._finished = False
+
+    def __aiter__(self) -> AsyncEvents:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._finished:
+            raise StopAsyncIteration
+        ev = await self._q.get()
+        self._finished = isinstance(ev, FinalEvent)
+        return ev
+
+    async def aclose(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._abort(self.request_id)
+
+
 class ServingEngine:
     """INT4 pool (batched llama.cpp, one scheduler thread) + standby (one worker thread)."""
 
     def __init__(self, config: ServingConfig | None = None, model: ModelInfo | str | None = None,
                  settings: Settings | None = None, incidents: IncidentSink | None = None,
                  standby_engines: Sequence[Engine] | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter,
+                 observers: Sequence[Callable[[Event], None]] = ()):
+        """observers: called on the serving threads with every event of every request, whether
+        or not its client still listens (metrics, breakers); each must be quick and thread-safe."""
         import torch
 
         self.config = c = config or ServingConfig()
@@ -98,6 +149,7 @@ class ServingEngine:
         self.info = model if isinstance(model, ModelInfo) else inspect_model(model, s.cache_dir)
         self.incidents = incidents
         self.clock = clock
+        self.observers = list(observers)
         torch.set_num_threads(c.standby_threads)  # torch runs the standby (and tiny guard ops)
         self.int4 = BatchedLlamaCpp(self.info, n_slots=c.slots, n_ctx=c.n_ctx, n_threads=c.int4_threads,
                                     native_dir=s.cache_dir if s.int4_monitor else None)
@@ -129,16 +181,18 @@ class ServingEngine:
 
     def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                 request_id: str | None = None, faults: Sequence[Fault] = (), prompt_text: str | None = None,
-                ladder: LadderConfig | None = None) -> Request:
+                ladder: LadderConfig | None = None, start_rung: int = 0) -> Request:
         """A Request with a fresh id (token ids already sanitized and templated)."""
         return Request(request_id or uuid.uuid4().hex[:16], tuple(int(t) for t in prompt_ids),
-                       params or SamplingParams(), tuple(faults), prompt_text, ladder)
+                       params or SamplingParams(), tuple(faults), prompt_text, ladder, start_rung)
 
     def _check(self, r: Request) -> None:
         if r.faults and not self.config.allow_faults:
             raise ConfigError("fault injection is disabled on this engine (allow_faults is off)")
         if not r.prompt_ids:
             raise InputError("empty prompt")
+        if not 0 <= r.start_rung < len(self.rungs):
+            raise ConfigError(f"start_rung {r.start_rung} is not a rung of {self.rungs}")
         if len(r.prompt_ids) >= min(self.n_ctx):
             raise InputError(f"prompt of {len(r.prompt_ids)} tokens does not fit the context of "
                              f"{min(self.n_ctx)}; truncate it (qladder.sanitize) or raise n_ctx")
@@ -155,19 +209,28 @@ class ServingEngine:
 
     def _submit(self, r: Request, emit: Callable[[Event], None]) -> None:
         self._check(r)
+        if r.start_rung == 0 and self.standby is not None and not self.scheduler.healthy:
+            r = replace(r, start_rung=1)  # the INT4 pool is unhealthy (a stall, no probe through yet)
         self.aborts.start(r.request_id)
+        observers = tuple(self.observers)
 
         def deliver(ev: Event) -> None:
             if isinstance(ev, FinalEvent):
                 self.aborts.end(r.request_id)
+            for observe in observers:
+                try:
+                    observe(ev)
+                except Exception:  # an observer's bug must not take the request down with it
+                    _log.exception("an event observer failed on request %s", r.request_id)
             emit(ev)
 
         m = self._machine(r, deliver)
         try:
-            if self.scheduler.healthy or self.standby is None:
+            if r.start_rung == 0:
                 self.scheduler.submit(m)
-            else:  # the INT4 pool is unhealthy (a stall, no probe through yet): route to the standby
-                self.standby.submit(m, MoveTo(1, poisoned=False), self.clock())
+            else:  # routed to the standby from the start: a quarantined prompt, an open breaker
+                assert self.standby is not None
+                self.standby.submit(m, MoveTo(r.start_rung, poisoned=False), self.clock())
         except BaseException:
             self.aborts.end(r.request_id)
             raise
@@ -187,7 +250,9 @@ class ServingEngine:
     def _return(self, m: RequestMachine, started: float) -> None:
         self.scheduler.resubmit(m, started)
 
-    async def generate(self, request: Request) -> AsyncIterator[Event]:
+    def generate(self, request: Request) -> AsyncEvents:
+        """Submit now (a full queue raises QueueFullError here, before any await) and return the
+        request's events; `aclose()` before its FinalEvent aborts the request."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -196,17 +261,7 @@ class ServingEngine:
                 loop.call_soon_threadsafe(q.put_nowait, ev)
 
         self._submit(request, emit)
-        finished = False
-        try:
-            while True:
-                ev = await q.get()
-                finished = isinstance(ev, FinalEvent)
-                yield ev
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request.request_id)
+        return AsyncEvents(request.request_id, q, self.abort)
 
     def stream_sync(self, request: Request) -> Iterator[Event]:
         """Submit now (a full queue raises QueueFullError here) and iterate the events; closing
@@ -242,6 +297,9 @@ class ServingEngine:
             self.abort(request.request_id)
             done.wait()
         return box[0]
+
+    def add_observer(self, observe: Callable[[Event], None]) -> None:
+        self.observers.append(observe)
 
     def abort(self, request_id: str) -> bool:
         found = self.aborts.abort(request_id)

@@ -160,10 +160,12 @@ class StandbyPool:
             return False
         self._close(t)
         ctx = m.context
+        start = m.rung == j and isinstance(action, MoveTo)  # a request routed here from the start
         try:
             t.session = engine.open(ctx)
         except EngineError as exc:
-            m.moved(j, t.started, len(ctx), warm=False)
+            if not start:
+                m.moved(j, t.started, len(ctx), warm=False)
             t.action = m.on_hazard(Hazard("engine_error", engine.name, m.step, detail=str(exc)), None)
             t.started = self.clock()
             return isinstance(t.action, Done)
@@ -177,7 +179,8 @@ class StandbyPool:
                 m.moved(j, t.started, len(ctx), warm=False)
                 t.action = Continue()
             return isinstance(t.action, Done)
-        m.moved(j, t.started, len(ctx), warm=False)
+        if not start:
+            m.moved(j, t.started, len(ctx), warm=False)
         t.action = Continue()
         t.unpushed = False
         return False

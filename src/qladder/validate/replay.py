@@ -176,12 +176,7 @@ class Guarded:
 
     def prompt_ids(self, p: Prompt, max_tokens: int) -> list[int]:
         """The ids the ladder sees for this prompt (for the fp32 reference)."""
-        from qladder.sanitize import sanitize_bytes
-
-        text = p.prompt
-        if isinstance(text, bytes):
-            text = sanitize_bytes(text, self.q.sanitize_config).text
-        ids, _ = self.q.encode_messages([{"role": "user", "content": text}], max_tokens)
+        ids, _, _ = self.q.prepare(p.prompt, max_tokens)
         return ids
 
     def run(self, p: Prompt, population: str, fault_name: str, faults: Sequence[Fault],

@@ -1,0 +1,1 @@
+"""The HTTP server: an OpenAI-compatible gateway over the serving engine (`qladder serve`)."""

@@ -1,0 +1,145 @@
+"""A circuit breaker per pool: closed / open / half-open on the hazard and error rates of the
+pool's recent requests (a sliding time window), as one pure `transition(state, event, now)`.
+
+    CLOSED     requests flow; each outcome enters the window. When the window holds at least
+               `min_requests` outcomes and the hazard rate or the error rate passes its bound,
+               the breaker opens.
+    OPEN       the router sends new requests to the next pool; after `open_s` a new request
+               may probe (the first admission check after that moves it to half-open).
+    HALF_OPEN  up to `probes` requests are let through; `probes` clean outcomes close it, any
+               hazard or error opens it again (for another `open_s`).
+
+The clock is passed in (`now`), so tests drive the breaker with a fake clock; `Breaker` wraps the
+state in a lock for the serving threads (outcomes come from the engine's threads, admissions from
+the HTTP loop). Follows pybreaker's states, with rates over a window instead of a failure count:
+an INT4 pool under a burst of NaN rows has a high hazard *rate*, not a run of consecutive failures.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+
+class BreakerMode(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+MODE_VALUE = {BreakerMode.CLOSED: 0, BreakerMode.HALF_OPEN: 1, BreakerMode.OPEN: 2}  # the metrics gauge
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    window_s: float = 30.0  # outcomes older than this leave the window
+    min_requests: int = 10  # no verdict on fewer outcomes than this
+    max_hazard_rate: float = 0.5  # open when more than this share of the window's requests hit a hazard
+    max_error_rate: float = 0.2  # ... or failed outright (an engine error, a stalled step)
+    open_s: float = 10.0  # how long an open breaker sends traffic elsewhere before probing
+    probes: int = 3  # clean probe outcomes that close a half-open breaker
+
+    def __post_init__(self) -> None:
+        from qladder.errors import ConfigError
+
+        if self.window_s <= 0 or self.open_s <= 0:
+            raise ConfigError("breaker window_s and open_s must be > 0")
+        if self.min_requests < 1 or self.probes < 1:
+            raise ConfigError("breaker min_requests and probes must be >= 1")
+        for name in ("max_hazard_rate", "max_error_rate"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ConfigError(f"breaker {name} must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One finished request on the pool: whether it hit a hazard there, or failed there."""
+
+    hazard: bool = False
+    error: bool = False
+
+
+@dataclass(frozen=True)
+class Admit:
+    """The router asks whether a new request may start on the pool."""
+
+
+BreakerEvent = Outcome | Admit
+
+
+@dataclass(frozen=True)
+class BreakerState:
+    mode: BreakerMode = BreakerMode.CLOSED
+    window: tuple[tuple[float, bool, bool], ...] = ()  # (time, hazard, error), oldest first
+    opened_at: float = 0.0
+    probes_admitted: int = 0
+    probes_ok: int = 0
+    admitted: bool = True  # the verdict of the last Admit event
+
+
+def transition(state: BreakerState, event: BreakerEvent, now: float, config: BreakerConfig) -> BreakerState:
+    """The breaker's next state; pure."""
+    if state.mode is BreakerMode.OPEN:
+        if isinstance(event, Admit):
+            if now - state.opened_at < config.open_s:
+                return replace(state, admitted=False)
+            return BreakerState(BreakerMode.HALF_OPEN, probes_admitted=1, admitted=True)
+        return state  # a late outcome of a request admitted before the breaker opened
+    if state.mode is BreakerMode.HALF_OPEN:
+        if isinstance(event, Admit):
+            ok = state.probes_admitted < config.probes
+            return replace(state, probes_admitted=state.probes_admitted + ok, admitted=ok)
+        if event.hazard or event.error:
+            return BreakerState(BreakerMode.OPEN, opened_at=now, admitted=False)
+        if state.probes_ok + 1 >= config.probes:
+            return BreakerState(BreakerMode.CLOSED)
+        return replace(state, probes_ok=state.probes_ok + 1)
+    # closed
+    window = tuple(w for w in state.window if now - w[0] <= config.window_s)
+    if isinstance(event, Admit):
+        return replace(state, window=window, admitted=True)
+    window = (*window, (now, event.hazard, event.error))
+    n = len(window)
+    if n >= config.min_requests:
+        hazards = sum(1 for w in window if w[1]) / n
+        errors = sum(1 for w in window if w[2]) / n
+        if hazards > config.max_hazard_rate or errors > config.max_error_rate:
+            return BreakerState(BreakerMode.OPEN, opened_at=now, admitted=False)
+    return replace(state, window=window)
+
+
+class Breaker:
+    """One pool's breaker, shared by the HTTP loop (admit) and the engine's threads (record)
+    through one lock; `on_change(pool, old, new)` is called outside it on every mode change."""
+
+    def __init__(self, pool: str, config: BreakerConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[str, BreakerMode, BreakerMode], None] | None = None):
+        self.pool = pool
+        self.config = config or BreakerConfig()
+        self.clock = clock
+        self.on_change = on_change
+        self._state = BreakerState()
+        self._lock = threading.Lock()
+
+    @property
+    def mode(self) -> BreakerMode:
+        with self._lock:
+            return self._state.mode
+
+    def allow(self) -> bool:
+        """May a new request start on this pool now? (Counts as a probe when half-open.)"""
+        return self._apply(Admit()).admitted
+
+    def record(self, hazard: bool = False, error: bool = False) -> None:
+        self._apply(Outcome(hazard, error))
+
+    def _apply(self, event: BreakerEvent) -> BreakerState:
+        with self._lock:
+            old = self._state
+            self._state = new = transition(old, event, self.clock(), self.config)
+        if new.mode is not old.mode and self.on_change is not None:
+            self.on_change(self.pool, old.mode, new.mode)
+        return new

@@ -1,0 +1,103 @@
+"""The server's Prometheus metrics (prometheus-client), in a registry of its own.
+
+Counters of the engine's events are fed by `observe`, an observer the engine calls on its own
+threads for every event of every request, so a client that went away is still counted; pool
+state (slots, queues, breakers, quarantine) is read when /metrics is scraped. prometheus-client's
+metrics take their own locks: any thread may update them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from qladder.server.breaker import MODE_VALUE, Breaker, BreakerMode
+from qladder.server.quarantine import Quarantine
+from qladder.types import Event, FinalEvent, HandoffEvent, HazardEvent, TokenEvent
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TOKEN_BUCKETS_S = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        disable_created_metrics()  # no *_created series: a scrape is read by people and by the load bench
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("qladder_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.tokens = Counter("qladder_tokens", "Completion tokens by the rung that produced them", ["rung"],
+                              registry=r)
+        self.hazards = Counter("qladder_hazards", "Guard hazards by check and rung", ["check", "rung"], registry=r)
+        self.handoffs = Counter("qladder_handoffs", "Mid-answer handoffs", ["from_rung", "to_rung"], registry=r)
+        self.handoff_latency = Histogram("qladder_handoff_latency_seconds",
+                                         "Hazard detected -> first healthy logits on the next rung",
+                                         buckets=LATENCY_BUCKETS_S, registry=r)
+        self.ttft = Histogram("qladder_ttft_seconds", "Time to first token (admission to first accepted token)",
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.per_token = Histogram("qladder_time_per_token_seconds", "Time between accepted tokens",
+                                   buckets=TOKEN_BUCKETS_S, registry=r)
+        self.finishes = Counter("qladder_finishes", "Finished requests by qladder's finish reason",
+                                ["reason"], registry=r)
+        self.routes = Counter("qladder_routes", "New requests by the pool they started on and why",
+                              ["pool", "reason"], registry=r)
+        self.breaker_state = Gauge("qladder_breaker_state", "Circuit breaker per pool: 0 closed, 1 half-open, 2 open",
+                                   ["pool"], registry=r)
+        self.breaker_transitions = Counter("qladder_breaker_transitions", "Breaker mode changes",
+                                           ["pool", "to"], registry=r)
+        self.incidents_committed = Counter("qladder_incidents_committed", "Incident rows committed to the store",
+                                           registry=r)
+        self.quarantine_added = Counter("qladder_quarantine_added", "Prompt fingerprints quarantined", registry=r)
+        self.rejected = Counter("qladder_rejected", "Requests refused before any token, by reason",
+                                ["reason"], registry=r)
+
+    def watch_pools(self, stats: Callable[[], dict[str, object]], pools: dict[str, str]) -> None:
+        """Gauges read at scrape time from the engine's stats; `pools` maps pool kind -> name."""
+        r = self.registry
+        depth = Gauge("qladder_queue_depth", "Requests waiting for a pool", ["pool"], registry=r)
+        busy = Gauge("qladder_slots_in_use", "Sequences decoding (INT4 slots, standby sessions)", ["pool"], registry=r)
+        live = Gauge("qladder_requests_in_flight", "Requests admitted and not finished", registry=r)
+
+        def read(key: str) -> Callable[[], float]:
+            return lambda: float(stats().get(key, 0))  # type: ignore[arg-type]
+
+        depth.labels(pools["int4"]).set_function(read("queue_depth"))
+        busy.labels(pools["int4"]).set_function(read("slots_in_use"))
+        if "standby" in pools:
+            depth.labels(pools["standby"]).set_function(read("standby_depth"))
+            busy.labels(pools["standby"]).set_function(read("standby_active"))
+        live.set_function(read("live"))
+
+    def watch_breakers(self, breakers: dict[str, Breaker]) -> None:
+        for name, b in breakers.items():
+            self.breaker_state.labels(name).set_function(lambda b=b: float(MODE_VALUE[b.mode]))
+
+    def on_breaker_change(self, pool: str, _old: BreakerMode, new: BreakerMode) -> None:
+        self.breaker_transitions.labels(pool, str(new)).inc()
+
+    def watch_quarantine(self, q: Quarantine) -> None:
+        Gauge("qladder_quarantine_size", "Prompt fingerprints in quarantine", registry=self.registry
+              ).set_function(lambda: float(len(q)))
+
+    def observe(self, ev: Event) -> None:
+        """Every engine event (on the engine's threads)."""
+        if isinstance(ev, TokenEvent):
+            return  # tokens are counted once, from the final result (the text a client got)
+        if isinstance(ev, HazardEvent):
+            self.hazards.labels(ev.hazard.check, ev.hazard.rung).inc()
+        elif isinstance(ev, HandoffEvent):
+            h = ev.handoff
+            self.handoffs.labels(h.from_rung, h.to_rung).inc()
+            self.handoff_latency.observe(h.latency_ms / 1e3)
+        elif isinstance(ev, FinalEvent):
+            res = ev.result
+            for rung in set(res.token_rungs):
+                self.tokens.labels(rung).inc(res.token_rungs.count(rung))
+            if "ttft_ms" in res.timings:
+                self.ttft.observe(res.timings["ttft_ms"] / 1e3)
+            for ms in res.step_ms:
+                self.per_token.observe(ms / 1e3)
+            self.finishes.labels(str(res.finish_reason)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,69 @@
+"""Quarantine: prompts that caused a hazard on the INT4 pool start on full precision for a while.
+
+A prompt's fingerprint is the hash of its sanitized, templated token ids (`incidents.prompt_hash`,
+the same key the incident store keeps), so a repeat of an offending prompt does not pay the
+handoff twice. Bounded: least recently used fingerprints leave first; each entry lives `ttl_s`.
+The clock is passed in; one lock guards the table (the HTTP loop reads, the engine's threads add).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class QuarantineConfig:
+    ttl_s: float = 600.0
+    max_entries: int = 10_000
+
+    def __post_init__(self) -> None:
+        from qladder.errors import ConfigError
+
+        if self.ttl_s <= 0 or self.max_entries < 1:
+            raise ConfigError("quarantine ttl_s must be > 0 and max_entries >= 1")
+
+
+class Quarantine:
+    def __init__(self, config: QuarantineConfig | None = None, clock: Callable[[], float] = time.monotonic):
+        self.config = config or QuarantineConfig()
+        self.clock = clock
+        self._until: OrderedDict[str, float] = OrderedDict()  # fingerprint -> expiry, LRU order
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.added = 0
+        self.evicted = 0
+
+    def add(self, fingerprint: str) -> None:
+        now = self.clock()
+        with self._lock:
+            self._until[fingerprint] = now + self.config.ttl_s
+            self._until.move_to_end(fingerprint)
+            self.added += 1
+            while len(self._until) > self.config.max_entries:
+                self._until.popitem(last=False)
+                self.evicted += 1
+
+    def contains(self, fingerprint: str) -> bool:
+        """True while the fingerprint is quarantined (a hit refreshes its place in the LRU order)."""
+        now = self.clock()
+        with self._lock:
+            until = self._until.get(fingerprint)
+            if until is None:
+                return False
+            if until <= now:
+                del self._until[fingerprint]
+                return False
+            self._until.move_to_end(fingerprint)
+            self.hits += 1
+            return True
+
+    def __len__(self) -> int:
+        now = self.clock()
+        with self._lock:
+            for fp in [fp for fp, until in self._until.items() if until <= now]:
+                del self._until[fp]
+            return len(self._until)

@@ -1,0 +1,131 @@
+"""Build the server from a topology and run it under uvicorn, with a graceful drain on SIGTERM.
+
+    server = build_server(load_topology(path))    engines, gateway, incident store, the FastAPI app
+    run(server, host, port)                       uvicorn; SIGTERM/SIGINT: stop admitting, drain
+                                                  in-flight streams up to drain_timeout_s, exit 0
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qladder.config import Settings
+from qladder.engines.llamacpp import LlamaVocab
+from qladder.health.guard import GUARD_PRESETS
+from qladder.incidents import IncidentStore, IncidentWriter
+from qladder.machine import LadderConfig
+from qladder.model import ModelInfo
+from qladder.prepare import Preparer
+from qladder.sanitize import PRESETS as SANITIZE_PRESETS
+from qladder.server.app import create_app
+from qladder.server.breaker import Breaker
+from qladder.server.gateway import Gateway
+from qladder.server.metrics import ServerMetrics
+from qladder.server.quarantine import Quarantine
+from qladder.server.router import Router
+from qladder.server.topology import Topology
+from qladder.serving.engine import EngineClient, ServingConfig, ServingEngine
+from qladder.serving.scheduler import SchedulerConfig
+
+_log = logging.getLogger("qladder.server")
+
+
+def serving_config(t: Topology, settings: Settings) -> ServingConfig:
+    int4, standby = t.int4, t.standby
+    guard = GUARD_PRESETS[t.server.guard]
+    off = t.server.guard == "off"
+    from qladder.policy import LadderPolicy
+
+    ladder = LadderConfig(guard=guard, policy=LadderPolicy(fail_on_engine_error=off), record_incidents=not off)
+    return ServingConfig(slots=int4.slots, n_ctx=t.model.n_ctx, int4_threads=int4.threads,
+                         standby_threads=standby.threads if standby else 1,
+                         standby_rungs=tuple(standby.rungs) if standby else (),
+                         standby_sessions=standby.sessions if standby else 1,
+                         standby_queue=standby.max_queue if standby else 1,
+                         scheduler=SchedulerConfig(max_queue=int4.max_queue), ladder=ladder,
+                         allow_faults=t.server.allow_faults)
+
+
+@dataclass
+class Server:
+    topology: Topology
+    app: Any
+    gateway: Gateway
+    engine: ServingEngine
+    store: IncidentStore
+    writer: IncidentWriter
+    vocab: LlamaVocab
+
+    def close(self) -> None:
+        try:
+            self.engine.close()
+        finally:
+            self.writer.close()
+            self.store.close()
+            self.vocab.close()
+
+
+def build_server(t: Topology, settings: Settings | None = None, api_keys: Sequence[str] = (),
+                 clock: Any = time.monotonic, standby_engines: Sequence[Any] | None = None) -> Server:
+    """standby_engines: engines for the standby's rungs, owned by the caller (tests share theirs)."""
+    settings = settings or Settings.from_env()
+    metrics = ServerMetrics()
+    path = Path(t.server.incidents).expanduser() if t.server.incidents else settings.cache_dir / "incidents.sqlite3"
+    store = IncidentStore(path, redact=t.server.redact)
+    writer = IncidentWriter(store, on_commit=metrics.incidents_committed.inc)
+    engine = ServingEngine(serving_config(t, settings), model=t.model.path or None, settings=settings,
+                           incidents=writer, standby_engines=standby_engines)
+    try:
+        vocab = LlamaVocab(engine.info)
+        gw, app = assemble(engine, engine.info, vocab, t, metrics, api_keys, clock)
+    except BaseException:
+        engine.close()
+        writer.close()
+        store.close()
+        raise
+    return Server(t, app, gw, engine, store, writer, vocab)
+
+
+def assemble(client: EngineClient, info: ModelInfo, vocab: LlamaVocab, t: Topology, metrics: ServerMetrics,
+             api_keys: Sequence[str] = (), clock: Any = time.monotonic) -> tuple[Gateway, Any]:
+    """The gateway and the FastAPI app over any EngineClient (the real engine, or a test's fake)."""
+    preparer = Preparer(info, vocab.tokenize, min(client.n_ctx), SANITIZE_PRESETS[t.server.sanitize])
+    breakers = {p.name: Breaker(p.name, t.breaker, clock, on_change=metrics.on_breaker_change) for p in t.pools}
+    quarantine = Quarantine(t.quarantine, clock)
+    router = Router(t.pools, breakers, quarantine)
+    standby = t.standby
+    gw = Gateway(client, preparer, vocab.detokenize_bytes, vocab.n_vocab, t.server.model_name, router, breakers,
+                 quarantine, metrics, t.server.default_max_tokens, t.server.allow_faults,
+                 standby.sessions if standby else 0)
+    metrics.watch_pools(client.stats, {"int4": t.int4.name, **({"standby": standby.name} if standby else {})})
+    metrics.watch_breakers(breakers)
+    metrics.watch_quarantine(quarantine)
+    return gw, create_app(gw, frozenset(api_keys), t.server.max_body_bytes)
+
+
+def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve until SIGTERM/SIGINT; then refuse new requests (503 on open connections, the socket
+    closed), let in-flight answers finish for up to drain_timeout_s, close the engines, return."""
+    import uvicorn
+
+    class _Draining(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            server.gateway.draining = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=max(1, round(server.topology.server.drain_timeout_s)),
+                            lifespan="off")
+    try:
+        _Draining(config).run()
+    finally:
+        server.close()
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")

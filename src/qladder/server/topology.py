@@ -1,0 +1,273 @@
+"""The server's topology, from a TOML file: pools of rungs, routing weights, breakers, quarantine.
+
+    [server]                       # all optional; these are the defaults
+    model_name = "smollm2-135m-instruct"   # the id clients pass as `model` (also the GGUF's own name)
+    max_body_bytes = 1048576       # larger bodies get 413
+    default_max_tokens = 512       # when a request gives no max_tokens
+    drain_timeout_s = 30           # SIGTERM: in-flight streams get this long to finish
+    incidents = ""                 # SQLite path; "" = <cache>/incidents.sqlite3
+    redact = false                 # keep only prompt fingerprints in the incident store
+    allow_faults = false           # fault injection through the API (validation, load tests only)
+    guard = "default"              # guard preset: default, logits, strict, off
+    sanitize = "default"           # input defence preset: default, strict, off
+
+    [model]
+    path = ""                      # a Llama-family GGUF; "" = the embedded SmolLM2-135M Q4_1
+    n_ctx = 2048                   # per slot
+
+    [[pools]]                      # the INT4 pool: continuous batching on one llama.cpp context
+    name = "int4"
+    rungs = ["int4"]
+    slots = 8
+    threads = 1
+    max_queue = 64                 # waiting requests beyond the slots; then 429
+    weight = 1.0                   # share of new requests routed here
+    handoff_to = "standby"         # the pool that catches this pool's handoffs
+
+    [[pools]]                      # the hot standby: full precision, shared by every handoff
+    name = "standby"
+    rungs = ["fp32"]
+    sessions = 4                   # requests stepped at once; more wait in its FIFO queue
+    threads = 1
+    max_queue = 256
+    weight = 0.0                   # 0: its capacity is reserved for handoffs and quarantined prompts
+
+    [breaker]                      # every pool's circuit breaker (qladder.server.breaker)
+    window_s = 30.0
+    min_requests = 10
+    max_hazard_rate = 0.5
+    max_error_rate = 0.2
+    open_s = 10.0
+    probes = 3
+
+    [quarantine]
+    ttl_s = 600.0
+    max_entries = 10000
+
+With no file, the defaults serve the embedded model on 2 cores: one INT4 thread, one standby
+thread (the write-up's 80/20 split of capacity: most traffic on INT4, the standby kept for the
+requests that need it). Every mistake in a file is reported at start-up, one line each.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from qladder.errors import ConfigError
+from qladder.server.breaker import BreakerConfig
+from qladder.server.quarantine import QuarantineConfig
+
+INT4_RUNGS = ("int4",)
+FULL_RUNGS = ("fp32", "bf16", "w4a16")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    name: str
+    rungs: tuple[str, ...]
+    threads: int = 1
+    slots: int = 8  # an INT4 pool: sequences batched together
+    sessions: int = 4  # a standby pool: requests stepped at once
+    max_queue: int = 64
+    weight: float = 0.0
+    handoff_to: str | None = None
+
+    @property
+    def kind(self) -> str:
+        return "int4" if self.rungs and self.rungs[0] in INT4_RUNGS else "standby"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str = "smollm2-135m-instruct"
+    max_body_bytes: int = 1 << 20
+    default_max_tokens: int = 512
+    drain_timeout_s: float = 30.0
+    incidents: str = ""
+    redact: bool = False
+    allow_faults: bool = False
+    guard: str = "default"
+    sanitize: str = "default"
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    path: str = ""
+    n_ctx: int = 2048
+
+
+def default_pools() -> tuple[PoolConfig, ...]:
+    return (PoolConfig("int4", ("int4",), threads=1, slots=8, max_queue=64, weight=1.0, handoff_to="standby"),
+            PoolConfig("standby", ("fp32",), threads=1, sessions=4, max_queue=256, weight=0.0))
+
+
+@dataclass(frozen=True)
+class Topology:
+    server: ServerSettings = field(default_factory=ServerSettings)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    pools: tuple[PoolConfig, ...] = field(default_factory=default_pools)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    quarantine: QuarantineConfig = field(default_factory=QuarantineConfig)
+
+    @property
+    def int4(self) -> PoolConfig:
+        return next(p for p in self.pools if p.kind == "int4")
+
+    @property
+    def standby(self) -> PoolConfig | None:
+        return next((p for p in self.pools if p.kind == "standby"), None)
+
+
+def load_topology(path: str | Path | None) -> Topology:
+    """The topology in `path` (None: the defaults). Raises ConfigError listing every mistake."""
+    if path is None:
+        return Topology()
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path}: {exc.strerror or exc}") from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    return parse_topology(data, str(path))
+
+
+def parse_topology(data: dict[str, Any], where: str = "config") -> Topology:
+    errors: list[str] = []
+    known = {"server", "model", "pools", "breaker", "quarantine"}
+    for key in sorted(set(data) - known):
+        errors.append(f"unknown section [{key}] (known: {', '.join(sorted(known))})")
+    server = _section(data.get("server", {}), ServerSettings, "server", errors)
+    model = _section(data.get("model", {}), ModelSettings, "model", errors)
+    breaker = _section(data.get("breaker", {}), BreakerConfig, "breaker", errors)
+    quarantine = _section(data.get("quarantine", {}), QuarantineConfig, "quarantine", errors)
+    raw_pools = data.get("pools")
+    pools: tuple[PoolConfig, ...] = default_pools()
+    if raw_pools is not None:
+        if not isinstance(raw_pools, list) or not all(isinstance(p, dict) for p in raw_pools):
+            errors.append("pools must be an array of tables ([[pools]])")
+        else:
+            parsed = [_section(p, PoolConfig, f"pools[{i}]", errors, required=("name", "rungs"))
+                      for i, p in enumerate(raw_pools)]
+            pools = tuple(p for p in parsed if p is not None)
+    if server is not None:
+        _check_server(server, errors)
+    if model is not None and not 64 <= model.n_ctx <= 131072:
+        errors.append(f"model.n_ctx must be in [64, 131072], got {model.n_ctx}")
+    _check_pools(pools, errors)
+    if errors:
+        raise ConfigError(f"{where}: {len(errors)} mistake(s):\n  " + "\n  ".join(errors))
+    assert server is not None and model is not None and breaker is not None and quarantine is not None
+    return Topology(server, model, pools, breaker, quarantine)
+
+
+def _section(raw: object, cls: type, name: str, errors: list[str], required: tuple[str, ...] = ()) -> Any:
+    """Build dataclass `cls` from a TOML table, type-checking each field against its default."""
+    if not isinstance(raw, dict):
+        errors.append(f"[{name}] must be a table")
+        return None
+    names = {f.name: f for f in fields(cls)}
+    bad = False
+    for key in sorted(set(raw) - set(names)):
+        errors.append(f"{name}: unknown key {key!r} (known: {', '.join(names)})")
+        bad = True
+    for key in required:
+        if key not in raw:
+            errors.append(f"{name}: {key!r} is required")
+            bad = True
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        f = names.get(key)
+        if f is None:
+            continue
+        want = str(f.type)
+        ok = _type_ok(value, want)
+        if not ok:
+            errors.append(f"{name}.{key}: expected {want}, got {type(value).__name__} {value!r}")
+            bad = True
+            continue
+        values[key] = tuple(value) if isinstance(value, list) else (float(value) if want == "float" else value)
+    if bad:
+        return None
+    try:
+        return cls(**values)
+    except ConfigError as exc:
+        errors.append(f"[{name}]: {exc}")
+    except TypeError as exc:
+        errors.append(f"[{name}]: {exc}")
+    return None
+
+
+def _type_ok(value: object, want: str) -> bool:
+    if want == "bool":
+        return isinstance(value, bool)
+    if want == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if want == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if want == "str":
+        return isinstance(value, str)
+    if want == "str | None":
+        return isinstance(value, str)
+    if want == "tuple[str, ...]":
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    return True
+
+
+def _check_server(s: ServerSettings, errors: list[str]) -> None:
+    from qladder.health.guard import GUARD_PRESETS
+    from qladder.sanitize import PRESETS
+
+    if not s.model_name.strip():
+        errors.append("server.model_name must not be empty")
+    if s.max_body_bytes < 1024:
+        errors.append(f"server.max_body_bytes must be >= 1024, got {s.max_body_bytes}")
+    if s.default_max_tokens < 1:
+        errors.append(f"server.default_max_tokens must be >= 1, got {s.default_max_tokens}")
+    if s.drain_timeout_s < 0:
+        errors.append(f"server.drain_timeout_s must be >= 0, got {s.drain_timeout_s}")
+    if s.guard not in GUARD_PRESETS:
+        errors.append(f"server.guard: unknown preset {s.guard!r} (choose from {', '.join(GUARD_PRESETS)})")
+    if s.sanitize not in PRESETS:
+        errors.append(f"server.sanitize: unknown preset {s.sanitize!r} (choose from {', '.join(PRESETS)})")
+
+
+def _check_pools(pools: tuple[PoolConfig, ...], errors: list[str]) -> None:
+    names = [p.name for p in pools]
+    for n in sorted({n for n in names if names.count(n) > 1}):
+        errors.append(f"pools: the name {n!r} is used twice")
+    for p in pools:
+        where = f"pool {p.name!r}"
+        if not p.rungs:
+            errors.append(f"{where}: rungs must not be empty")
+            continue
+        for r in p.rungs:
+            if r not in INT4_RUNGS + FULL_RUNGS:
+                errors.append(f"{where}: unknown rung {r!r} (choose from {', '.join(INT4_RUNGS + FULL_RUNGS)})")
+        if p.kind == "int4" and len(p.rungs) > 1:
+            errors.append(f"{where}: an INT4 pool has one rung; put full-precision rungs in the pool it hands off to")
+        if p.kind == "standby" and any(r in INT4_RUNGS for r in p.rungs):
+            errors.append(f"{where}: a standby pool holds full-precision rungs only, not int4")
+        if p.threads < 1 or p.slots < 1 or p.sessions < 1 or p.max_queue < 1:
+            errors.append(f"{where}: threads, slots, sessions and max_queue must be >= 1")
+        if not p.weight >= 0.0:
+            errors.append(f"{where}: weight must be >= 0, got {p.weight}")
+        if p.handoff_to is not None and p.handoff_to not in names:
+            errors.append(f"{where}: handoff_to names no pool ({p.handoff_to!r}; pools: {', '.join(names)})")
+        if p.handoff_to == p.name:
+            errors.append(f"{where}: a pool cannot catch its own handoffs")
+    int4 = [p for p in pools if p.kind == "int4"]
+    standby = [p for p in pools if p.kind == "standby"]
+    if len(int4) != 1:
+        errors.append(f"pools: in-process serving takes exactly one INT4 pool, got {len(int4)}")
+    if len(standby) > 1:
+        errors.append(f"pools: in-process serving takes at most one standby pool, got {len(standby)}")
+    if int4 and standby and int4[0].handoff_to not in (None, standby[0].name):
+        errors.append(f"pool {int4[0].name!r}: handoff_to must be the standby pool {standby[0].name!r}")
+    if int4 and standby and int4[0].handoff_to is None:
+        errors.append(f"pool {int4[0].name!r}: handoff_to is missing: name the standby pool {standby[0].name!r} "
+                      "(or remove the standby pool to serve INT4 alone, with the fallback answer as the last rung)")
+    if pools and sum(p.weight for p in pools if p.weight >= 0) <= 0:
+        errors.append("pools: at least one pool needs a weight > 0 for new requests")

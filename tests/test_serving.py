@@ -265,8 +265,9 @@ def test_a_bug_in_our_code_is_not_a_hazard(served, monkeypatch):
 
 
 def test_a_copied_prefix_gives_the_rows_of_a_full_prefill(model_info, settings):
-    """The chat template's system turn is prefilled once; a slot that copies its KV and decodes
-    the rest of the prompt gives bit-identical rows to a full prefill, on every later step too."""
+    """The chat template's system turn is prefilled once; a slot that copies its KV (or kept it
+    from its last request) and decodes the rest of the prompt gives bit-identical rows to a full
+    prefill, on every later step too."""
     import torch
 
     from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
@@ -287,10 +288,12 @@ def test_a_copied_prefix_gives_the_rows_of_a_full_prefill(model_info, settings):
                 out.append(e.row(slot).clone())
                 e.decode([Entry(slot, [e.argmax(slot)], pos)])
                 pos += 1
-            e.truncate(slot, 0)
+            e.release(slot)  # keeps the prefix's KV in a slot that holds it
             return out
 
         full, copied = rows(0, False), rows(1, True)
         assert all(torch.equal(a, b) for a, b in zip(full, copied, strict=True))
+        kept = rows(1, True)  # the slot kept the prefix from its last request: no second copy
+        assert e.prefix_copies == 1 and all(torch.equal(a, b) for a, b in zip(full, kept, strict=True))
     finally:
         e.close()

@@ -203,7 +203,7 @@ def _jobs(n_prompts: int, fault_share: float, max_tokens: int, seed: int) -> tup
 
 def run_serve_bench(duration_s: float = 120.0, window_s: float = 60.0, rounds: int = 2, clients: int = 16,
                     fault_share: float = 0.1, max_tokens: int = 64, slots: int = 8, threads: int = 1,
-                    burst_s: float = 10.0, recover_s: float = 90.0, n_prompts: int = 64, seed: int = 0,
+                    burst_s: float = 30.0, recover_s: float = 120.0, n_prompts: int = 64, seed: int = 0,
                     log: Any = None) -> dict[str, Any]:
     from qladder.engines.llamacpp import LlamaVocab
     from qladder.model import inspect_model
@@ -336,6 +336,8 @@ def _compare(servers: dict[str, str], clean: list[tuple[str, list[str]]], client
     compare: dict[str, Any] = {}
     for n in names:
         pooled = _summary([x for w in per[n] for x in w], count)
+        pooled["span_s"] = sum(w["span_s"] for w in windows[n])  # the windows', not the run's
+        pooled["tok_s"] = pooled["tokens"] / pooled["span_s"]
         compare[n] = {"windows": windows[n], "tok_s_median": statistics.median(w["tok_s"] for w in windows[n]),
                       "pooled": pooled}
     g, ls, b = "guarded", "llama_server", "bare"

@@ -131,6 +131,8 @@ class BatchedLlamaCpp(LlamaVocabMixin):
         self._memory = llama_cpp.llama_get_memory(self._ctx)
         self.prefix: tuple[int, ...] = ()  # ids whose KV the cache stream holds
         self._cache_slot = n_slots
+        self._holds_prefix: set[int] = set()  # slots whose first positions are the prefix's KV
+        self.prefix_copies = 0
 
     def _alloc(self, n_slots: int, n_batch: int) -> None:
         """Batch arrays and per-slot outputs, allocated once; the C side points into them."""
@@ -266,14 +268,24 @@ class BatchedLlamaCpp(LlamaVocabMixin):
     # -- slots -----------------------------------------------------------------------------------
     def truncate(self, slot: int, keep: int) -> None:
         """Keep the slot's first `keep` positions (0: free the slot's KV)."""
+        if keep < len(self.prefix):
+            self._holds_prefix.discard(slot)
         if not self._lib.llama_memory_seq_rm(self._memory, slot, keep, -1):
             raise EngineError(f"llama_memory_seq_rm failed on slot {slot}")
+
+    def release(self, slot: int) -> None:
+        """Free the slot's KV, but keep the cached prefix in it when it holds it: the next prompt
+        that starts with the prefix then needs no copy (llama.cpp's server keeps a slot's common
+        prefix the same way)."""
+        self.truncate(slot, len(self.prefix) if slot in self._holds_prefix else 0)
 
     def cache_prefix(self, ids: Sequence[int]) -> None:
         """Prefill `ids` (a prefix every prompt shares: the chat template's system turn) once,
         into a stream of its own. It is decoded alone, as any prompt is: a slot that copies it
         and decodes the rest of its prompt gets the rows a full prefill gives (a chunked prefill
         is bit-identical here)."""
+        for slot in list(self._holds_prefix):
+            self.truncate(slot, 0)
         self.truncate(self._cache_slot, 0)
         self.prefix = ()
         if ids:
@@ -281,12 +293,19 @@ class BatchedLlamaCpp(LlamaVocabMixin):
             self.prefix = tuple(int(t) for t in ids)
 
     def copy_prefix(self, slot: int) -> int:
-        """Give `slot` the cached prefix's KV (a copy of the whole cache stream, ~n_ctx x 30
+        """Give `slot` the cached prefix's KV, and nothing else: kept from its last request when
+        the slot still holds it (`release`), else a copy of the whole cache stream (~n_ctx x 30
         layers of K and V, done at the next decode: a few ms, against ~0.1 s to prefill it).
         Returns the positions the slot now holds."""
         if not self.prefix:
             return 0
+        if slot in self._holds_prefix:
+            self.truncate(slot, len(self.prefix))
+            return len(self.prefix)
+        self.truncate(slot, 0)
         self._lib.llama_memory_seq_cp(self._memory, self._cache_slot, slot, -1, -1)
+        self._holds_prefix.add(slot)
+        self.prefix_copies += 1
         return len(self.prefix)
 
     def set_gain(self, slot: int, layer: int, channel: int, add: float) -> None:

@@ -214,13 +214,14 @@ class Int4Scheduler:
         while self._waiting and self._free and self.healthy:
             s = self._waiting.popleft()
             s.slot = self._free.pop(0)
-            self.engine.truncate(s.slot, 0)
             self._slots[s.slot] = s
             prefix = self.engine.prefix
             if prefix and s.n_past == 0 and len(s.feed) > len(prefix) and tuple(s.feed[:len(prefix)]) == prefix:
                 s.n_past = self.engine.copy_prefix(s.slot)  # the shared system turn, prefilled once
                 del s.feed[:s.n_past]
                 self.prefix_hits += 1
+            else:
+                self.engine.truncate(s.slot, 0)
             for f in s.m.req.faults:  # an activation outlier through the real kernels, this slot only
                 if f.kind == "gain":
                     self.engine.set_gain(s.slot, f.layer, f.channel, (f.x - 1.0) * MASSIVE_ACTIVATION)
@@ -230,7 +231,7 @@ class Int4Scheduler:
         """Free a slot at once: its KV removed, the slot reusable by the next step's admission."""
         if self._slots.get(s.slot) is s:
             del self._slots[s.slot]
-            self.engine.truncate(s.slot, 0)
+            self.engine.release(s.slot)  # keeps the cached prefix's KV for the next admission
             self.engine.clear_gain(s.slot)
             self._free.insert(0, s.slot)  # the next admission takes it
             self.slot_log.append((self.steps, "release", s.m.request_id, s.slot))

@@ -100,6 +100,21 @@ def test_a_faulted_stream_is_one_clean_answer_continued_on_fp32(client, live):
     assert again.model_extra["qladder"]["route"] == "quarantine" and again.model_extra["qladder"]["handoffs"] == []
 
 
+def test_the_input_defence_reports_its_changes_and_incidents_keep_the_sanitized_prompt(client, live):
+    _, server = live
+    raw = "Name a  color.\x07\u200b Now!"
+    r = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=_chat(raw), max_tokens=6, temperature=0,
+        extra_body={"qladder": {"faults": ["inf@step=2"]}})
+    ext = r.parse().model_extra["qladder"]
+    kinds = {c["kind"] for c in ext["input_changes"]}
+    assert kinds and int(r.headers["x-qladder-input-changes"]) == len(ext["input_changes"])
+    _wait(lambda: server.writer.pending == 0 and any(
+        row["request_id"] == ext["request_id"] for row in server.store.rows(20)))
+    row = next(row for row in server.store.rows(20) if row["request_id"] == ext["request_id"])
+    assert "\x07" not in row["prompt_text"] and "\u200b" not in row["prompt_text"] and "color" in row["prompt_text"]
+
+
 def test_completions_from_text_and_from_token_ids_agree(client, live):
     _, server = live
     ids = server.gateway.preparer.encode_text("The capital of France is", 8)[0]

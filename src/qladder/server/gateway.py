@@ -119,8 +119,8 @@ class Gateway:
         messages: list[Message] = [{"role": m.role, "content": m.text()} for m in body.messages]
         with self._tok_lock:
             ids, reports = self.preparer.encode_messages(messages, params.max_tokens)
-        self._fits(ids, params)
-        return Prepared(ids, "\n".join(m["content"] for m in messages), reports, params, faults)
+        self._fits(ids, params)  # the incident store keeps the sanitized prompt (what the engine saw)
+        return Prepared(ids, "\n".join(r.text for r in reports), reports, params, faults)
 
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
         body.check()
@@ -131,7 +131,7 @@ class Gateway:
         if isinstance(prompt, str):
             with self._tok_lock:
                 ids, rep = self.preparer.encode_text(prompt, params.max_tokens)
-            text, reports = prompt, [rep]
+            text, reports = rep.text, [rep]
         else:  # token ids: nothing to sanitize; checked against the vocabulary
             n_vocab = self.n_vocab
             bad = next((t for t in prompt if not 0 <= t < n_vocab), None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import torch
 from qladder.errors import EngineError
 from qladder.faults import Fault, fault_row, stall_due
 from qladder.health.guard import GUARD_PRESETS, GuardConfig, StepGuard
+from qladder.health.remote import RemoteToken, check_remote
 from qladder.health.repetition import loop_start
 from qladder.incidents import Incident, IncidentSink, prompt_hash
 from qladder.policy import Handoff as HandoffAction
@@ -185,15 +187,46 @@ class RequestMachine:
                                detail=f"step took {took_s * 1e3:.0f} ms")
         return row, self.guard.check(row, self.stream.ids, name, peaks, limit, rest, stats)
 
+    def judge_remote(self, tok: RemoteToken, took_s: float, n_vocab: int, expected_bytes: bytes | None
+                     ) -> Hazard | None:
+        """The verdict on a token a remote rung sampled and streamed (see health/remote.py), after
+        the request's step faults: nan/inf make its logprob non-finite, zero flattens it, error is
+        an engine error, stall a deadline overrun."""
+        name = self.rungs[self.rung]
+        deadline = self.config.guard.step_deadline_s
+        for f in self.faults_here():
+            if f.step != self.step:
+                continue
+            if f.kind in ("nan", "inf"):
+                tok = RemoteToken(tok.token_id, float(f.kind), tok.token_bytes, tok.top)
+            elif f.kind == "zero":
+                tok = RemoteToken(tok.token_id, -math.log(n_vocab), tok.token_bytes, ())
+            elif f.kind == "error":
+                return Hazard("engine_error", name, self.step, detail="injected engine error")
+            elif f.kind == "stall":
+                took_s = max(took_s, f.stall_s)
+        if took_s > deadline:
+            return Hazard("deadline", name, self.step, took_s, deadline,
+                          detail=f"the next token took {took_s * 1e3:.0f} ms")
+        return check_remote(self.guard, tok, self.stream.ids, name, n_vocab, expected_bytes)
+
+    def accept_token(self, token: int, logprob: TokenLogprob | None = None) -> Action:
+        """A healthy token a remote rung sampled: accept it (no row here: the server sampled)."""
+        return self._accept(int(token), logprob)
+
     def accept_row(self, row: torch.Tensor, token: int | None = None) -> Action:
         """A healthy row: sample it (or take the driver's greedy `token`), and accept the token."""
+        if token is None or not self.params.greedy:
+            token = self.sampler.sample(row)
+        lp = token_logprob(row, int(token), self.params.logprobs or 0) if self.logprobs is not None else None
+        return self._accept(int(token), lp)
+
+    def _accept(self, token: int, lp: TokenLogprob | None) -> Action:
         now = self.clock()
         if "ttft_ms" not in self.timings:
             self.timings["ttft_ms"] = (now - self.t0) * 1e3
             self.timings.setdefault("prefill_ms", self.timings["ttft_ms"])
         self.close_handoff(now)
-        if token is None or not self.params.greedy:
-            token = self.sampler.sample(row)
         if token in self.eos_ids and not self.params.ignore_eos:
             return Done(self.finish(FinishReason.STOP))
         if self.last_accept is not None:
@@ -202,7 +235,7 @@ class RequestMachine:
         self.stream.push(int(token))
         self.token_rungs.append(self.rungs[self.rung])
         if self.logprobs is not None:
-            self.logprobs.append(token_logprob(row, int(token), self.params.logprobs or 0))
+            self.logprobs.append(lp if lp is not None else TokenLogprob(token, float("nan")))
         self.streak += 1
         self.release()
         if self.stream.stopped_at is not None:

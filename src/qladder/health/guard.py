@@ -191,11 +191,17 @@ class StepGuard:
             hazard = self._check_row(*row_stats, row.numel(), rung, step)
             if hazard is not None:
                 return hazard
-        if c.check_repetition and len(generated) >= min(c.repetition_min_span, c.repetition_short_min_span):
+        return self.check_repetition(generated, rung)
+
+    def check_repetition(self, generated: Sequence[int], rung: str) -> Hazard | None:
+        """A loop in the accepted ids (short loops sooner, longer ones after more repeats)."""
+        c = self.config
+        step = len(generated)
+        if c.check_repetition and step >= min(c.repetition_min_span, c.repetition_short_min_span):
             rules = ((c.repetition_short_max_period, c.repetition_short_min_repeats, c.repetition_short_min_span),
                      (c.repetition_max_period, c.repetition_min_repeats, c.repetition_min_span))
             for max_period, repeats, span in rules:
-                if len(generated) < span:
+                if step < span:
                     continue
                 period = find_repetition(generated, c.repetition_min_period, max_period, repeats, span)
                 if period is not None:

@@ -30,6 +30,7 @@ from typing import Protocol, runtime_checkable
 from qladder.config import Settings
 from qladder.engines.base import Engine, check_handoff
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp
+from qladder.engines.remote_llama import LlamaServerRung
 from qladder.errors import ConfigError, InputError
 from qladder.faults import Fault
 from qladder.health.guard import StepGuard
@@ -38,6 +39,7 @@ from qladder.machine import LadderConfig, MoveTo, Request, RequestMachine
 from qladder.model import ModelInfo, inspect_model, user_prompt_ids
 from qladder.sampling import SamplingParams
 from qladder.serving.aborts import AbortRegistry
+from qladder.serving.remote import RemoteConfig, RemotePool
 from qladder.serving.scheduler import Int4Scheduler, SchedulerConfig
 from qladder.serving.standby import StandbyPool
 from qladder.types import Event, FinalEvent, GenerationResult
@@ -95,6 +97,8 @@ class ServingConfig:
     ladder: LadderConfig = field(default_factory=LadderConfig)
     allow_faults: bool = False  # operators and test harnesses only; a client can never switch it on
     prefix_cache: bool = True  # prefill the chat template's system turn once; slots copy its KV
+    remote_url: str | None = None  # rung 0 on a llama-server at this URL instead of in-process int4
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
 
 
 def template_prefix(info: ModelInfo, tokenize: Callable[[str, bool], list[int]]) -> list[int]:
@@ -151,10 +155,14 @@ class ServingEngine:
         self.clock = clock
         self.observers = list(observers)
         torch.set_num_threads(c.standby_threads)  # torch runs the standby (and tiny guard ops)
-        self.int4 = BatchedLlamaCpp(self.info, n_slots=c.slots, n_ctx=c.n_ctx, n_threads=c.int4_threads,
-                                    native_dir=s.cache_dir if s.int4_monitor else None)
-        if c.prefix_cache:  # before the scheduler thread owns the engine
-            self.int4.cache_prefix(template_prefix(self.info, self.int4.tokenize))
+        self.int4: BatchedLlamaCpp | LlamaServerRung
+        if c.remote_url is not None:  # rung 0 is a llama-server: its tokenizer is checked here
+            self.int4 = LlamaServerRung(self.info, c.remote_url)
+        else:
+            self.int4 = BatchedLlamaCpp(self.info, n_slots=c.slots, n_ctx=c.n_ctx, n_threads=c.int4_threads,
+                                        native_dir=s.cache_dir if s.int4_monitor else None)
+            if c.prefix_cache:  # before the scheduler thread owns the engine
+                self.int4.cache_prefix(template_prefix(self.info, self.int4.tokenize))
         self._owned: list[Engine] = []
         if standby_engines is None:
             from qladder.engines import load_engine
@@ -166,13 +174,17 @@ class ServingEngine:
             check_handoff(self.int4, e)  # type: ignore[arg-type]
         self.standby_engines = list(standby_engines)
         self.rungs = [self.int4.name, *(e.name for e in self.standby_engines)]
-        self.n_ctx = [c.n_ctx, *(e.n_ctx for e in self.standby_engines)]
+        self.n_ctx = [self.int4.n_ctx if c.remote_url else c.n_ctx, *(e.n_ctx for e in self.standby_engines)]
         self._guards: dict[object, StepGuard] = {c.ladder.guard: StepGuard(c.ladder.guard, self.info.identity)}
         self.aborts = AbortRegistry()
         self.standby = StandbyPool({i + 1: e for i, e in enumerate(self.standby_engines)}, self.aborts,
                                    c.standby_sessions, c.standby_queue, on_return=self._return, clock=clock) \
             if self.standby_engines else None
-        self.scheduler = Int4Scheduler(self.int4, self.standby, self.aborts, c.scheduler, clock=clock)
+        self.scheduler: Int4Scheduler | RemotePool
+        if isinstance(self.int4, LlamaServerRung):
+            self.scheduler = RemotePool(self.int4, self.standby, self.aborts, c.remote, clock=clock)
+        else:
+            self.scheduler = Int4Scheduler(self.int4, self.standby, self.aborts, c.scheduler, clock=clock)
 
     # -- the client interface --------------------------------------------------------------------
     @property
@@ -199,6 +211,8 @@ class ServingEngine:
         if any(not 0 <= t < self.int4.n_vocab for t in r.prompt_ids):
             raise InputError(f"token ids must be in [0, {self.int4.n_vocab})")
         gains = [f for f in r.faults if f.kind == "gain"]
+        if gains and isinstance(self.int4, LlamaServerRung):
+            raise ConfigError("gain faults need an in-process int4 rung (a remote rung's layers are out of reach)")
         if len(gains) > 1:
             raise ConfigError("the int4 pool takes one gain fault a request (one per slot)")
         if gains and not (1 <= gains[0].layer < self.int4.n_layer and 0 <= gains[0].channel < self.int4.n_embd):

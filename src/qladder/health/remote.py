@@ -1,0 +1,59 @@
+"""The step guard for a remote rung: what a serving engine's stream tells about each token.
+
+A remote engine (llama.cpp's server, vLLM) samples the token itself and streams it with its
+log-probability and the top-k alternatives; the logits row never leaves the server. So the checks
+are those the stream allows, before the token is forwarded:
+
+- nonfinite: the token's logprob (or any top-k logprob) is missing, NaN or infinite. llama-server
+  on a NaN row streams `logprob: null` and top-k ids 0, 1, 2 (vLLM samples token 0).
+- flat: the most likely token's probability is under `exp(flat_gap) / V`, the bound the in-process
+  guard puts on a row (a collapsed, uniform distribution).
+- mismatch: the server's bytes for the token are not what the shared vocabulary says (a tokenizer
+  or transport fault; the text would not be the ids).
+- repetition: the accepted ids loop (the in-process guard's own rule, `StepGuard.check_repetition`).
+The driver adds `deadline` (an inter-token gap past `step_deadline_s`) and `engine_error` (a
+dropped connection, a 5xx, a malformed chunk).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from qladder.health.guard import StepGuard
+from qladder.types import Hazard
+
+
+@dataclass(frozen=True)
+class RemoteToken:
+    """One streamed token: its id, the server's logprob for it, its bytes, and the top-k (id, logprob)."""
+
+    token_id: int
+    logprob: float | None
+    token_bytes: bytes | None
+    top: tuple[tuple[int, float | None], ...] = ()
+
+
+def _finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def check_remote(guard: StepGuard, tok: RemoteToken, generated: Sequence[int], rung: str, n_vocab: int,
+                 expected_bytes: bytes | None) -> Hazard | None:
+    c = guard.config
+    step = len(generated)
+    if c.check_logits:
+        bad = [lp for lp in (tok.logprob, *(v for _, v in tok.top)) if not _finite(lp)]
+        if bad:
+            return Hazard("nonfinite", rung, step, float("nan"), None,
+                          detail=f"the server streamed a {'null' if bad[0] is None else bad[0]} logprob "
+                                 f"for token {tok.token_id}")
+        best = max([tok.logprob, *(v for _, v in tok.top)])  # type: ignore[type-var]
+        bound = c.flat_gap - math.log(n_vocab)
+        if best is not None and best < bound:
+            return Hazard("flat", rung, step, best, bound, detail="the top probability is under the flat bound")
+        if expected_bytes is not None and tok.token_bytes is not None and tok.token_bytes != expected_bytes:
+            return Hazard("mismatch", rung, step, detail=f"token {tok.token_id}: the server sent "
+                                                         f"{tok.token_bytes!r}, the vocabulary says {expected_bytes!r}")
+    return guard.check_repetition(generated, rung)  # as in-process: the loop in the ids accepted so far

@@ -1,0 +1,137 @@
+"""A remote rung for real: llama.cpp's llama-server (built by make install) as rung 0 of the
+ladder, its streamed tokens judged one by one, handed off by token ids to the in-process fp32
+standby. Its faults are real: a GGUF copy with one Q4_1 block scale set to inf makes llama-server
+answer "......" with 200 OK and null logprobs; the server is killed mid-stream."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from qladder.faults import corrupt_gguf_scale, parse_fault
+from qladder.model import user_prompt_ids
+from qladder.peers.llama_server import LlamaServer
+from qladder.sampling import SamplingParams
+from qladder.serving import ServingConfig, ServingEngine
+from qladder.types import FinishReason
+
+from .conftest import get_engine
+
+pytestmark = pytest.mark.slow
+PROMPT = "Name three colors."
+
+
+def _inf_scale_copy(src: Path, dst: Path) -> Path:
+    info = corrupt_gguf_scale(src, dst, x=1000.0)  # layer 11 ffn_down, row 507, block 0
+    with open(dst, "r+b") as f:
+        f.seek(int(info["offset"]))
+        f.write(np.float16(np.inf).tobytes())
+    return dst
+
+
+@pytest.fixture(scope="module")
+def servers(model_info, tmp_path_factory):
+    bad = _inf_scale_copy(model_info.path, tmp_path_factory.mktemp("gguf") / "inf-scale.gguf")
+    good_server = LlamaServer(model_info.path, n_parallel=4, threads=1, n_ctx_per_slot=1024).start()
+    bad_server = LlamaServer(bad, n_parallel=2, threads=1, n_ctx_per_slot=1024).start()
+    yield good_server, bad_server
+    good_server.stop()
+    bad_server.stop()
+
+
+def _engine(url):
+    return ServingEngine(ServingConfig(remote_url=url, allow_faults=True), standby_engines=[get_engine("fp32")])
+
+
+def _ids(se, text=PROMPT):
+    return user_prompt_ids(se.info.chat_template, text, se.int4.tokenize)
+
+
+def _fp32_greedy(ids, n):
+    fp32 = get_engine("fp32")
+    s = fp32.open(ids)
+    out = []
+    try:
+        for _ in range(n):
+            t = int(s.logits().argmax())
+            if t in fp32.eos_ids:
+                break
+            out.append(t)
+            s.push(t)
+    finally:
+        s.close()
+    return out
+
+
+def test_the_dot_flood_of_a_nan_row_becomes_a_clean_answer_on_fp32(servers):
+    _, bad = servers
+    se = _engine(bad.base_url)
+    try:
+        ids = _ids(se)
+        straight = httpx.post(f"{bad.base_url}/completion", timeout=60,
+                              json={"prompt": ids, "n_predict": 8, "temperature": 0}).json()
+        assert straight["content"] == "." * 8  # the garbage a client gets from the bare server
+        r = se.generate_sync(se.request(ids, SamplingParams(max_tokens=24)))
+    finally:
+        se.close()
+    assert [(h.check, h.rung, h.step) for h in r.hazards] == [("nonfinite", "llama-server", 0)]
+    assert r.handoffs[0].from_rung == "llama-server" and r.handoffs[0].to_rung == "fp32"
+    assert set(r.token_rungs) == {"fp32"} and "." not in r.text[:1] and r.text.strip()
+    assert r.token_ids == _fp32_greedy(ids, 24)[:len(r.token_ids)] and r.finish_reason in (
+        FinishReason.STOP, FinishReason.LENGTH)
+
+
+def test_a_healthy_remote_rung_answers_like_in_process_int4_and_hands_off_by_ids(servers):
+    good, _ = servers
+    se = _engine(good.base_url)
+    try:
+        ids = _ids(se)
+        clean = se.generate_sync(se.request(ids, SamplingParams(max_tokens=24)))
+        faulted = se.generate_sync(se.request(ids, SamplingParams(max_tokens=24),
+                                              faults=[parse_fault("nan@step=3")]))
+    finally:
+        se.close()
+    local = ServingEngine(ServingConfig(slots=1, standby_rungs=()))
+    try:
+        ours = local.generate_sync(local.request(ids, SamplingParams(max_tokens=24)))
+    finally:
+        local.close()
+    assert clean.text == ours.text and clean.hazards == [] and set(clean.token_rungs) == {"llama-server"}
+    assert faulted.token_rungs[:3] == ["llama-server"] * 3 and set(faulted.token_rungs[3:]) == {"fp32"}
+    assert faulted.token_ids[:3] == clean.token_ids[:3]
+    assert faulted.token_ids[3:] == _fp32_greedy(ids + clean.token_ids[:3], 21)[:len(faulted.token_ids) - 3]
+
+
+def test_a_server_killed_mid_stream_ends_every_request_on_the_standby(model_info):
+    server = LlamaServer(model_info.path, n_parallel=4, threads=1, n_ctx_per_slot=1024).start()
+    se = _engine(server.base_url)
+    try:
+        ids = _ids(se, "Write a long story about a dragon who learns to bake bread.")
+        results: list = [None] * 3
+
+        def run(k):
+            results[k] = se.generate_sync(se.request(ids, SamplingParams(max_tokens=100)))
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while se.scheduler.steps < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server.proc.kill()  # mid-stream
+        for t in threads:
+            t.join(180)
+        assert not se.scheduler.healthy
+        after = se.generate_sync(se.request(_ids(se), SamplingParams(max_tokens=8)))
+    finally:
+        server.stop()
+        se.close()
+    for r in results:
+        assert r is not None and r.hazards[0].check == "engine_error" and r.hazards[0].rung == "llama-server"
+        assert r.handoffs and r.token_rungs[-1] == "fp32" and not r.fallback
+    assert set(after.token_rungs) == {"fp32"} and after.handoffs == []  # straight to the standby meanwhile

@@ -135,3 +135,46 @@ def test_a_server_killed_mid_stream_ends_every_request_on_the_standby(model_info
         assert r is not None and r.hazards[0].check == "engine_error" and r.hazards[0].rung == "llama-server"
         assert r.handoffs and r.token_rungs[-1] == "fp32" and not r.fallback
     assert set(after.token_rungs) == {"fp32"} and after.handoffs == []  # straight to the standby meanwhile
+
+
+def test_qladder_serve_in_front_of_a_broken_llama_server_streams_a_clean_answer(servers, tmp_path):
+    import dataclasses
+
+    import openai
+    import uvicorn
+
+    from qladder.peers.llama_server import free_port
+    from qladder.server.serve import build_server
+    from qladder.server.topology import PoolConfig, Topology
+
+    _, bad = servers
+    t = Topology()
+    pools = (PoolConfig("edge", ("llama-server",), slots=2, weight=1.0, handoff_to="standby", url=bad.base_url),
+             PoolConfig("standby", ("fp32",), sessions=2))
+    t = dataclasses.replace(t, pools=pools, server=dataclasses.replace(t.server, incidents=str(tmp_path / "i.db")))
+    server = build_server(t, standby_engines=[get_engine("fp32")])
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    try:
+        while not uv.started:
+            time.sleep(0.05)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as c:
+            chunks = list(c.chat.completions.create(model="smollm2-135m-instruct", stream=True, max_tokens=24,
+                                                    temperature=0, messages=[{"role": "user", "content": PROMPT}]))
+        pieces = [ch.choices[0].delta.content for ch in chunks if ch.choices and ch.choices[0].delta.content]
+        ext = chunks[-1].model_extra["qladder"]
+        deadline = time.monotonic() + 10
+        while server.store.count() < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rows = server.store.rows(10)
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+        server.close()
+    text = "".join(pieces)
+    assert not text.startswith(".") and text.strip()  # no '.' of the bad stream was forwarded
+    assert [(h["check"], h["rung"]) for h in ext["hazards"]] == [("nonfinite", "llama-server")]
+    assert ext["handoffs"][0]["to_rung"] == "fp32" and set(ext["tokens_per_rung"]) == {"fp32"}
+    assert len(rows) == 1 and rows[0]["rung"] == "llama-server" and rows[0]["action"] == "handoff:fp32"

@@ -163,6 +163,17 @@ def test_topology_reports_every_mistake_one_line_each(tmp_path):
         parse_topology({"server": {"guard": "nope"}})
 
 
+def test_a_remote_pool_needs_its_url_and_only_a_remote_rung_takes_one():
+    ok = parse_topology({"pools": [{"name": "edge", "rungs": ["llama-server"], "url": "http://10.0.0.5:8080",
+                                    "weight": 1.0, "handoff_to": "safe"},
+                                   {"name": "safe", "rungs": ["fp32"]}]})
+    assert ok.int4.url == "http://10.0.0.5:8080" and ok.int4.kind == "int4"
+    with pytest.raises(ConfigError) as e:
+        parse_topology({"pools": [{"name": "edge", "rungs": ["llama-server"], "weight": 1.0, "handoff_to": "s"},
+                                  {"name": "s", "rungs": ["fp32"], "url": "http://x"}]})
+    assert "needs url" in str(e.value) and "url is for a remote rung" in str(e.value)
+
+
 # -- incident writer ---------------------------------------------------------------------------------------
 
 def _incident(k: int) -> Incident:

@@ -32,6 +32,7 @@ from qladder.server.quarantine import Quarantine
 from qladder.server.router import Router
 from qladder.server.topology import Topology
 from qladder.serving.engine import EngineClient, ServingConfig, ServingEngine
+from qladder.serving.remote import RemoteConfig
 from qladder.serving.scheduler import SchedulerConfig
 
 _log = logging.getLogger("qladder.server")
@@ -50,7 +51,8 @@ def serving_config(t: Topology, settings: Settings) -> ServingConfig:
                          standby_sessions=standby.sessions if standby else 1,
                          standby_queue=standby.max_queue if standby else 1,
                          scheduler=SchedulerConfig(max_queue=int4.max_queue), ladder=ladder,
-                         allow_faults=t.server.allow_faults)
+                         allow_faults=t.server.allow_faults, remote_url=int4.url,
+                         remote=RemoteConfig(max_inflight=int4.slots + int4.max_queue))
 
 
 @dataclass

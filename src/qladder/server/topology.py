@@ -24,6 +24,10 @@
     weight = 1.0                   # share of new requests routed here
     handoff_to = "standby"         # the pool that catches this pool's handoffs
 
+    # or, in front of a llama.cpp server a team already runs (every token it streams is checked):
+    #   rungs = ["llama-server"]
+    #   url = "http://127.0.0.1:8080"
+
     [[pools]]                      # the hot standby: full precision, shared by every handoff
     name = "standby"
     rungs = ["fp32"]
@@ -60,7 +64,7 @@ from qladder.errors import ConfigError
 from qladder.server.breaker import BreakerConfig
 from qladder.server.quarantine import QuarantineConfig
 
-INT4_RUNGS = ("int4",)
+INT4_RUNGS = ("int4", "llama-server")  # in-process, or a remote llama.cpp server (`url`)
 FULL_RUNGS = ("fp32", "bf16", "w4a16")
 
 
@@ -74,6 +78,7 @@ class PoolConfig:
     max_queue: int = 64
     weight: float = 0.0
     handoff_to: str | None = None
+    url: str | None = None  # a remote rung's server (rungs = ["llama-server"])
 
     @property
     def kind(self) -> str:
@@ -246,6 +251,10 @@ def _check_pools(pools: tuple[PoolConfig, ...], errors: list[str]) -> None:
         for r in p.rungs:
             if r not in INT4_RUNGS + FULL_RUNGS:
                 errors.append(f"{where}: unknown rung {r!r} (choose from {', '.join(INT4_RUNGS + FULL_RUNGS)})")
+        if "llama-server" in p.rungs and not (p.url or "").startswith(("http://", "https://")):
+            errors.append(f"{where}: a llama-server rung needs url = \"http://host:port\"")
+        if p.url is not None and "llama-server" not in p.rungs:
+            errors.append(f"{where}: url is for a remote rung (rungs = [\"llama-server\"])")
         if p.kind == "int4" and len(p.rungs) > 1:
             errors.append(f"{where}: an INT4 pool has one rung; put full-precision rungs in the pool it hands off to")
         if p.kind == "standby" and any(r in INT4_RUNGS for r in p.rungs):

@@ -104,11 +104,18 @@ def test_judge_symptoms(text, ids, truncated, reasons):
     assert judge(text, ids, truncated).reasons == reasons
 
 
-def test_judge_loops_by_token_ids():
-    assert judge(",,,,,,,,,,,,", [11] * 12).reasons == ("loop",)
-    assert judge("ab" * 6, [1, 2] * 6).loop_period == 2
-    assert judge("short", [1, 2] * 5).reasons == ()  # 10 tokens: under the 12-token span
-    assert judge("text", [1, 2, 3, 4, 5, 6, 7] * 3).reasons == ()  # 3 repeats of 7: not a loop
+def test_judge_loops_by_rep4_and_compression_not_by_the_guards_rule():
+    assert judge(",,,,,,,,,,,,", [11] * 12).reasons == ("loop",)  # a one-token flood
+    assert judge("ab" * 6, [1, 2] * 6).rep4 > 0.6
+    assert judge("short", [1, 2] * 5).reasons == ()  # 10 tokens: under LOOP_MIN_TOKENS
+    assert judge("text", list(range(10)) * 2).reasons == ()  # a 10-token phrase said twice: rep-4 0.41
+    loop = "a sanctuary of the soul, " * 12  # a long loop: repeated 4-grams and a text zlib shrinks 10x
+    v = judge(loop, [5, 6, 7, 8, 9, 10] * 12)
+    assert v.reasons == ("loop",) and v.zlib_ratio is not None and v.zlib_ratio > 4
+    prose = ("The quick brown fox jumps over the lazy dog while the sun sets behind distant hills, "
+             "and a cold wind carries the smell of rain across fields of wheat and barley.") * 2
+    v = judge(prose, list(range(40)) * 2)  # repeated once: rep-4 0.49, under the bound
+    assert v.reasons == () and v.rep4 < 0.6
 
 
 def _scripted(nan_from: int | None = None, loop: bool = False) -> ScriptedEngine:
@@ -355,3 +362,14 @@ def test_validate_end_to_end_writes_results_and_report(tmp_path):
     assert len(replayed) == 2 and all(p["jobs"] == 3 for p in replayed)
     html = (tmp_path / "report.html").read_text()
     assert "<table>" in html and html.count("data:image/png;base64") == 5
+
+
+def test_rates_count_the_models_own_garbage_apart():
+    from qladder.validate.replay import Outcome
+    from qladder.validate.stats import rates
+
+    own = Outcome("guarded", "p1", "emoji", "abnormal", "none", "ok", garbage=["loop"], model_own=True)
+    ours = Outcome("guarded", "p2", "emoji", "abnormal", "nan_logits", "ok", garbage=["token0_flood"])
+    clean = Outcome("guarded", "p3", "qa", "abnormal", "none", "ok")
+    r = rates([own, ours, clean])
+    assert r["garbage"] == 2 and r["garbage_model_own"] == 1 and abs(r["garbage_beyond_fp32_rate"] - 1 / 3) < 1e-9

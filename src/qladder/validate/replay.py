@@ -66,6 +66,7 @@ class Outcome:
     garbage: list[str] = field(default_factory=list)
     round: int = 0
     nll: float | None = None  # mean NLL of the answer under the fp32 reference, when scored
+    model_own: bool = False  # garbage that fp32 alone answers too (runner.attribute_garbage)
 
     @property
     def per_token_ms(self) -> float | None:

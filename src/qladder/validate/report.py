@@ -47,9 +47,13 @@ def main_table(r: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         ["per-token decode P50 / P99 (ms)", _pair(lb), _pair(lg), _f(ratio["per_token_p50"], "{:.3f}")],
         ["memory (process RSS, MB)", _f(b["memory_rss_mb"], "{:.0f}"), _f(g["memory_rss_mb"], "{:.0f}"), ""],
         ["garbage output, crafted prompts", _pct(b["garbage_rate"]), _pct(g["garbage_rate"]), ""],
+        ["... of which fp32 alone answers the same garbage (the model's own)", "",
+         str(g.get("garbage_model_own", 0)), ""],
         ["5xx, crafted prompts", _pct(b["error_rate"]), _pct(g["error_rate"]), ""],
         ["4xx (refused), crafted prompts", _pct(b["reject_rate"]), _pct(g["reject_rate"]), ""],
         ["safe fallback answers", str(b["fallback"]), str(g["fallback"]), ""],
+        ["ended on a confirmed loop (finish: repetition), crafted prompts",
+         _ended(b.get("ended_on_repetition")), _ended(g.get("ended_on_repetition")), ""],
         ["handoff latency mean / P99 (ms)", "n/a",
          f"{_f(g['handoff']['mean_ms'])} / {_f(g['handoff']['p99_ms'])}", ""],
         ["tokens per rung (all requests)", _shares(b["rung_share_all"]), _shares(g["rung_share_all"]), ""],
@@ -63,7 +67,8 @@ def main_table(r: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 def verdicts(r: dict[str, Any]) -> list[list[str]]:
     g, ratio = r["guarded"], r["latency_ratio_guarded_over_bare"]
-    checks = [("guarded garbage on crafted prompts = 0%", g["garbage_rate"], lambda v: v == 0, _pct),
+    checks = [("guarded garbage on crafted prompts, beyond what fp32 alone answers, = 0%",
+               g.get("garbage_beyond_fp32_rate", g["garbage_rate"]), lambda v: v == 0, _pct),
               ("guarded 5xx on crafted prompts = 0%", g["error_rate"], lambda v: v == 0, _pct),
               ("false handoff rate <= 0.5%", g["false_handoff_rate"], lambda v: v <= 0.005, _pct),
               ("P99 guarded / bare <= 1.01 (P99 over prompts of each prompt's median of the interleaved "
@@ -298,3 +303,9 @@ def write_report(r: dict[str, Any], out_dir: Path) -> dict[str, str | None]:
     (out_dir / "report.md").write_text(to_markdown(bl), encoding="utf-8")
     (out_dir / "report.html").write_text(to_html(bl, out_dir), encoding="utf-8")
     return images
+
+
+def _ended(e: dict[str, Any] | None) -> str:
+    if not e:
+        return "n/a"
+    return f"{e['requests']} ({_pct(e['rate'])}; judged garbage: {e['judged_garbage']})"

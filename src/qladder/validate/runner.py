@@ -317,6 +317,25 @@ def judge_likelihood(run: Run, bare: Bare, guarded: Guarded, progress: Progress)
     run.times["judge_scored"] = float(len(cache))
 
 
+def attribute_garbage(run: Run, guarded: Guarded) -> None:
+    """Whose is each garbage answer of the guarded ladder? The fp32 rung alone answers the same ids
+    greedily; if that answer is judged garbage too (the same symptoms), it is the model's own (a
+    135M model's loop on a ZWJ emoji run), which no precision climb can fix: counted apart."""
+    from qladder.validate.garbage import judge
+
+    fp32 = run.engines["fp32"]
+    prompts = {p.id: p for p in [*run.normal, *run.abnormal]}
+    cache: dict[tuple[int, ...], tuple[str, ...]] = {}
+    for o in run.outcomes:
+        if o.config != "guarded" or not o.is_garbage:
+            continue
+        ids = tuple(guarded.prompt_ids(prompts[o.prompt_id], run.cfg.max_tokens))
+        if ids not in cache:
+            ref = greedy(fp32, list(ids), run.cfg.max_tokens)
+            cache[ids] = judge(fp32.detokenize(ref), ref, len(ref) >= run.cfg.max_tokens).reasons
+        o.model_own = bool(set(o.garbage) & set(cache[ids]))
+
+
 def judge_summary(run: Run) -> dict[str, Any]:
     """The likelihood judge's threshold against the scores it saw: clean answers' largest score is
     its false-positive margin."""
@@ -468,6 +487,7 @@ def validate(cfg: ValidateConfig, out_dir: Path, show_progress: bool = True,
         bare, guarded = configs(run, store)
         agree = replay(run, bare, guarded, progress)
         judge_likelihood(run, bare, guarded, progress)
+        attribute_garbage(run, guarded)
         bounds = boundaries(run, progress)
         progress.phase("standby replay (concurrent)")
         run.standby = standby_confirmation(run, guarded, progress)

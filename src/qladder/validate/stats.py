@@ -49,6 +49,10 @@ def rates(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         "rejected": rejected,
         "fallback": sum(o.fallback for o in outcomes),
         "garbage_rate": garbage / n if n else None,
+        # garbage the fp32 rung alone gives too (the model's own; judged for the guarded ladder)
+        "garbage_model_own": sum(o.is_garbage and o.model_own for o in outcomes),
+        "garbage_beyond_fp32_rate": (garbage - sum(o.is_garbage and o.model_own for o in outcomes)) / n
+        if n else None,
         "error_rate": errors / n if n else None,  # 5xx
         "reject_rate": rejected / n if n else None,  # 4xx
         "failure_rate": (garbage + errors + rejected) / n if n else None,
@@ -101,6 +105,11 @@ def section(outcomes: Sequence[Outcome], agreement: dict[str, float | None] | No
                        for f in sorted({o.fault for o in outcomes})}
     out["by_class"] = {c: rates([o for o in crafted if o.cls == c]) for c in sorted({o.cls for o in crafted})}
     out["finish_reasons"] = dict(Counter(o.finish_reason or o.status for o in outcomes))
+    # Answers the ladder ended on a loop the reference rung confirmed (the model's own): their own
+    # row, neither hidden among clean answers nor counted as handed off.
+    ended = [o for o in crafted if o.finish_reason == "repetition"]
+    out["ended_on_repetition"] = {"requests": len(ended), "rate": len(ended) / len(crafted) if crafted else None,
+                                  "judged_garbage": sum(o.is_garbage for o in ended)}
     return out
 
 

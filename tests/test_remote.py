@@ -19,6 +19,7 @@ from qladder.peers.llama_server import LlamaServer
 from qladder.sampling import SamplingParams
 from qladder.serving import ServingConfig, ServingEngine
 from qladder.types import FinishReason
+from qladder.validate.replay import greedy
 
 from .conftest import get_engine
 
@@ -53,19 +54,7 @@ def _ids(se, text=PROMPT):
 
 
 def _fp32_greedy(ids, n):
-    fp32 = get_engine("fp32")
-    s = fp32.open(ids)
-    out = []
-    try:
-        for _ in range(n):
-            t = int(s.logits().argmax())
-            if t in fp32.eos_ids:
-                break
-            out.append(t)
-            s.push(t)
-    finally:
-        s.close()
-    return out
+    return greedy(get_engine("fp32"), ids, n)  # the validation harness's naive greedy loop
 
 
 def test_the_dot_flood_of_a_nan_row_becomes_a_clean_answer_on_fp32(servers):
@@ -143,7 +132,7 @@ def test_qladder_serve_in_front_of_a_broken_llama_server_streams_a_clean_answer(
     import openai
     import uvicorn
 
-    from qladder.peers.llama_server import free_port
+    from qladder.peers.process import free_port
     from qladder.server.serve import build_server
     from qladder.server.topology import PoolConfig, Topology
 

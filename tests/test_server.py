@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import socket
 import threading
 import time
 
@@ -17,6 +16,7 @@ import pytest
 import uvicorn
 from typer.testing import CliRunner
 
+from qladder.peers.process import free_port
 from qladder.server.breaker import BreakerConfig
 from qladder.server.serve import build_server
 from qladder.server.topology import Topology
@@ -28,12 +28,6 @@ MODEL = "smollm2-135m-instruct"
 PROMPTS = ["Name three colors.", "What is 2+2?", "Write a haiku about rain.", "What is the capital of France?"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     db = tmp_path_factory.mktemp("incidents") / "incidents.sqlite3"
@@ -42,7 +36,7 @@ def live(tmp_path_factory):
         t, server=dataclasses.replace(t.server, allow_faults=True, incidents=str(db)),
         breaker=BreakerConfig(window_s=60, min_requests=4, max_hazard_rate=0.5, open_s=1.5, probes=2))
     server = build_server(t, standby_engines=[get_engine("fp32")])
-    port = _free_port()
+    port = free_port()
     uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()

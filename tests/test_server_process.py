@@ -4,7 +4,6 @@ kill -9 in the middle of a faulted load leaves readable, with every committed ro
 from __future__ import annotations
 
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -15,35 +14,26 @@ from pathlib import Path
 import httpx
 import pytest
 
+from qladder.peers.process import free_port, wait_ready
+
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     cfg = tmp_path / "qladder.toml"
     cfg.write_text("[server]\ndrain_timeout_s = 30\n")
     qladder = Path(sys.executable).with_name("qladder")
     proc = subprocess.Popen([str(qladder), "serve", "--config", str(cfg), "--port", str(port), "--log-level",
                              "warning", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-        try:
-            if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("the server did not become ready")
+    why = wait_ready(proc, f"{base}/readyz", 120, poll_s=0.2)
+    if why is not None:
+        proc.kill()
+        proc.wait(30)
+        raise AssertionError(f"the server {why}: {proc.stderr.read().decode() if proc.stderr else ''}")
+    return proc, base
 
 
 def _end(proc: subprocess.Popen[bytes]) -> None:

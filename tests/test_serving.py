@@ -19,6 +19,7 @@ from qladder.sampling import SamplingParams
 from qladder.serving import SchedulerConfig, ServingConfig, ServingEngine
 from qladder.stream import _complete
 from qladder.types import FinalEvent, FinishReason, HandoffEvent, TokenEvent
+from qladder.validate.replay import greedy
 
 from .conftest import get_engine
 
@@ -55,19 +56,7 @@ def _concurrently(fn, n):
 
 
 def _fp32_greedy(ids, n):
-    fp32 = get_engine("fp32")
-    s = fp32.open(ids)
-    out = []
-    try:
-        while len(out) < n:
-            t = int(s.logits().argmax())
-            if t in fp32.eos_ids:
-                break
-            out.append(t)
-            s.push(t)
-    finally:
-        s.close()
-    return out
+    return greedy(get_engine("fp32"), ids, n)  # the validation harness's naive greedy loop
 
 
 def test_eight_at_once_clean_rows_exact_faulted_rows_continue_on_fp32(served):

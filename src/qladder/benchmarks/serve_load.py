@@ -41,7 +41,8 @@ from typing import Any
 import httpx
 
 from qladder.benchmarks.common import cpu, percentile, versions
-from qladder.peers.llama_server import LlamaServer, free_port
+from qladder.peers.llama_server import LlamaServer
+from qladder.peers.process import free_port, stop, wait_ready
 
 MODEL = "smollm2-135m-instruct"
 FAULT_KINDS = ("nan", "inf", "zero")
@@ -80,25 +81,12 @@ class QladderProcess:
         self.proc = subprocess.Popen([str(exe), "serve", "--config", str(cfg), "--port", str(self.port),
                                       "--log-level", "warning", *self.args], stdout=log, stderr=log)
         log.close()
-        deadline = time.monotonic() + ready_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited at start: {(self.workdir / f'{self.name}.log').read_text()}")
-            try:
-                if httpx.get(f"{self.base_url}/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.name} was not ready in {ready_timeout_s:.0f} s")
+        why = wait_ready(self.proc, f"{self.base_url}/readyz", ready_timeout_s, poll_s=0.2)
+        if why is not None:
+            raise RuntimeError(f"{self.name} {why}: {(self.workdir / f'{self.name}.log').read_text()}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop(self.proc, timeout_s=60.0)
 
 
 # -- the clients ------------------------------------------------------------------------------------------
@@ -264,10 +252,13 @@ def _faulted_phase(url: str, db: Path, jobs: list[tuple[str, list[str]]], client
     after = _scrape(url)
     rows = sqlite3.connect(db).execute("SELECT COUNT(*) FROM incidents").fetchone()[0]
     hazards = _sum(after, "qladder_hazards_total{")
-    garbage = [s for s in samples if s.status == 200 and ("\ufffd" in s.text or not s.text.strip())]
+    def bad(s: Sample) -> bool:
+        return "\ufffd" in s.text or not s.text.strip()
+
+    garbage = [s for s in samples if s.status == 200 and bad(s)]
     fs = [s for s in samples if s.faulted and s.status == 200]
     return {**_summary(samples, count), "faulted_requests": sum(s.faulted for s in samples),
-            "faulted_answered_clean": sum(1 for s in fs if s not in garbage),
+            "faulted_answered_clean": sum(1 for s in fs if not bad(s)),
             "faulted_handed_off": sum(1 for s in fs if s.ext and s.ext["handoffs"]),
             "faulted_started_on_standby": sum(1 for s in fs if s.ext and s.ext["pool"] == "standby"),
             "answers_empty_or_replacement_char": len(garbage),

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import TracebackType
 
-import httpx
-
 from qladder.errors import ConfigError, EngineError
+from qladder.peers import process
+from qladder.peers.process import free_port, wait_ready
 
 
 def find_llama_server() -> Path:
@@ -37,12 +35,6 @@ def find_llama_server() -> Path:
             return c
     raise ConfigError("llama-server is not built: run `make install` (scripts/llama_server.sh builds it) "
                       "or set QLADDER_LLAMA_SERVER")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LlamaServer:
@@ -65,27 +57,14 @@ class LlamaServer:
 
     def start(self) -> LlamaServer:
         self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineError(f"llama-server exited with {self.proc.returncode} at start ({' '.join(self.args)})")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise EngineError(f"llama-server was not ready within {self.ready_timeout_s:.0f} s")
+        why = wait_ready(self.proc, f"{self.base_url}/health", self.ready_timeout_s)
+        if why is not None:
+            self.stop()
+            raise EngineError(f"llama-server {why} ({' '.join(self.args)})")
+        return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        process.stop(self.proc)
         self.proc = None
 
     def __enter__(self) -> LlamaServer:

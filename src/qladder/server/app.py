@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qladder.errors import ConfigError, EngineDeadError, InputError, QueueFullError
+from qladder.server import openai_format as fmt
 from qladder.server.breaker import BreakerMode
 from qladder.server.gateway import Draining, EngineFailed, Gateway, UnknownModel
 from qladder.server.protocol import ChatCompletionRequest, CompletionRequest, Unsupported, error_body
@@ -192,7 +193,7 @@ def create_app(gw: Gateway, api_keys: frozenset[str] = frozenset(), max_body_byt
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(gw.sse(served, chat, include_usage, agen), media_type="text/event-stream",
-                                     headers={**_head(served), "Cache-Control": "no-cache"})
+                                     headers={**fmt.headers(served, None), "Cache-Control": "no-cache"})
         try:
             out, headers = await _until_disconnect(request, gw.complete(served, chat, agen))
         except _Disconnected:
@@ -236,12 +237,6 @@ def create_app(gw: Gateway, api_keys: frozenset[str] = frozenset(), max_body_byt
     app.add_middleware(BodyLimit, limit=max_body_bytes)  # type: ignore[arg-type]
     app.add_middleware(CountRequests, metrics=gw.metrics)  # type: ignore[arg-type]  (outermost: sees the 413s)
     return app
-
-
-def _head(served: Any) -> dict[str, str]:
-    from qladder.server.openai_format import headers
-
-    return headers(served, None)
 
 
 class _Disconnected(Exception):

@@ -147,7 +147,8 @@ class Gateway:
             raise Draining("the server is shutting down")
         fp = prompt_hash(p.prompt_ids)
         stats = self.client.stats()
-        free = int(stats.get("standby_active", 0)) + int(stats.get("standby_depth", 0)) < self.standby_sessions  # type: ignore[call-overload]
+        busy = int(stats.get("standby_active", 0)) + int(stats.get("standby_depth", 0))  # type: ignore[call-overload]
+        free = busy < self.standby_sessions
         route = self.router.route(fp, standby_free=free)
         rid = uuid.uuid4().hex[:24]
         req = self.client.request(p.prompt_ids, p.params, request_id=rid, faults=p.faults,

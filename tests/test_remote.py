@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
-from qladder.faults import corrupt_gguf_scale, parse_fault
+from qladder.faults import parse_fault
 from qladder.model import user_prompt_ids
 from qladder.peers.llama_server import LlamaServer
 from qladder.sampling import SamplingParams
@@ -27,17 +25,9 @@ pytestmark = pytest.mark.slow
 PROMPT = "Name three colors."
 
 
-def _inf_scale_copy(src: Path, dst: Path) -> Path:
-    info = corrupt_gguf_scale(src, dst, x=1000.0)  # layer 11 ffn_down, row 507, block 0
-    with open(dst, "r+b") as f:
-        f.seek(int(info["offset"]))
-        f.write(np.float16(np.inf).tobytes())
-    return dst
-
-
 @pytest.fixture(scope="module")
-def servers(model_info, tmp_path_factory):
-    bad = _inf_scale_copy(model_info.path, tmp_path_factory.mktemp("gguf") / "inf-scale.gguf")
+def servers(model_info, inf_scale_gguf):
+    bad = inf_scale_gguf
     good_server = LlamaServer(model_info.path, n_parallel=4, threads=1, n_ctx_per_slot=1024).start()
     bad_server = LlamaServer(bad, n_parallel=2, threads=1, n_ctx_per_slot=1024).start()
     yield good_server, bad_server

@@ -127,6 +127,18 @@ def test_router_sends_quarantined_prompts_and_open_breakers_to_the_standby():
         r.route("good", standby_free=True)
 
 
+def test_router_passes_over_a_pool_the_engine_reports_down_without_spending_a_probe():
+    clock = Clock()
+    r, breakers, _ = _router(clock=clock)
+    breakers["int4"].record(error=True)
+    breakers["int4"].record(error=True)
+    clock.t += 100.0  # past open_s: the next admission would be a half-open probe
+    down = r.route("good", standby_free=True, down=frozenset({"int4"}))
+    assert (down.pool, down.reason) == ("standby", "down:int4")
+    assert str(breakers["int4"].mode) == "open"  # no probe was spent while the server is away
+    assert r.route("good", standby_free=True).pool == "int4" and str(breakers["int4"].mode) == "half_open"
+
+
 # -- topology ----------------------------------------------------------------------------------------------
 
 def test_topology_defaults_serve_int4_with_an_fp32_standby():
@@ -172,6 +184,12 @@ def test_a_remote_pool_needs_its_url_and_only_a_remote_rung_takes_one():
         parse_topology({"pools": [{"name": "edge", "rungs": ["llama-server"], "weight": 1.0, "handoff_to": "s"},
                                   {"name": "s", "rungs": ["fp32"], "url": "http://x"}]})
     assert "needs url" in str(e.value) and "url is for a remote rung" in str(e.value)
+    both = parse_topology({"pools": [{"name": "edge", "rungs": ["llama-server"], "url": "http://a:1", "weight": 1.0,
+                                      "handoff_to": "gpu"}, {"name": "gpu", "rungs": ["vllm"], "url": "http://b:2"}]})
+    assert both.standby is not None and both.standby.url == "http://b:2" and both.standby.kind == "standby"
+    with pytest.raises(ConfigError, match="a vllm rung needs url"):
+        parse_topology({"pools": [{"name": "i", "rungs": ["int4"], "weight": 1.0, "handoff_to": "gpu"},
+                                  {"name": "gpu", "rungs": ["vllm"]}]})
 
 
 # -- incident writer ---------------------------------------------------------------------------------------

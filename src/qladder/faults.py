@@ -208,13 +208,15 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # each block starts with it
 
 
 def corrupt_gguf_scale(src: Path, dst: Path, tensor: str = "blk.11.ffn_down.weight", row: int = 507,
-                       block: int = 0, x: float = 1000.0) -> dict[str, float | int | str]:
+                       block: int = 0, x: float = 1000.0, value: float | None = None) -> dict[str, float | int | str]:
     """Write a copy of a GGUF whose one quantization block has its scale `d` multiplied by x.
 
     Emulates a corrupted scale in one layer (a bit flip in memory or a bad conversion): the 32
     weights of that block, in output row `row`, become x times too large, so that row's output
     channel carries an outlier at every position. The file is patched in place of one fp16; llama.cpp
-    then runs its real kernels on it. Returns what was changed.
+    then runs its real kernels on it. `value` writes that scale instead (inf: the block's outputs
+    become inf, the row NaN, and llama-server answers "......" with null logprobs). Returns what
+    was changed.
     """
     import shutil
 
@@ -236,7 +238,7 @@ def corrupt_gguf_scale(src: Path, dst: Path, tensor: str = "blk.11.ffn_down.weig
     with open(dst, "r+b") as f:
         f.seek(offset)
         d = float(np.frombuffer(f.read(2), dtype=np.float16)[0])
-        new = float(np.clip(d * x, -65504.0, 65504.0))
+        new = float(np.clip(d * x, -65504.0, 65504.0)) if value is None else float(value)
         f.seek(offset)
         f.write(np.float16(new).tobytes())
     return {"tensor": tensor, "row": row, "block": block, "offset": offset, "d": d, "new_d": new}
@@ -323,7 +325,14 @@ def _dequantize_rows(data: object, kind: str, rows: object) -> object:
     return dequantize(np.asarray(data)[np.asarray(rows)], GGMLQuantizationType[kind])
 
 
+def inf_scale_gguf(src: Path, dst: Path, tensor: str = "blk.11.ffn_down.weight", row: int = 507,
+                   block: int = 0) -> dict[str, float | int | str]:
+    """A copy of a GGUF with one Q4_1 block scale set to +inf (`corrupt_gguf_scale(value=inf)`)."""
+    return corrupt_gguf_scale(src, dst, tensor, row, block, value=float("inf"))
+
+
 GGUF_PATCHES: dict[str, Callable[..., dict[str, object]]] = {
     "scale": corrupt_gguf_scale,  # type: ignore[dict-item]
+    "inf_scale": inf_scale_gguf,  # type: ignore[dict-item]
     "glitch": glitch_gguf,
 }

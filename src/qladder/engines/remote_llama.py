@@ -1,25 +1,27 @@
-"""A remote INT4 rung: llama.cpp's `llama-server`, decoding over HTTP, checked token by token.
+"""A remote rung on llama.cpp's `llama-server`: `/completion` with a token-array prompt.
 
     rung = LlamaServerRung(info, "http://127.0.0.1:8080")   checks the server's tokenizer at start
-    rung.body(context_ids, params, n_remaining)              the /completion request for a context
+    async for item in rung.stream(client, ids, params, n)    RemoteToken* RemoteEnd
 
-The vocabulary stays in-process (the same GGUF's tokenizer, `vocab_only`): prompts are sent as
-token-id arrays (llama-server adds no BOS to an array), the streamed ids are checked against it,
-and a handoff continues from the same ids on the next rung. At start-up a set of probe texts is
-tokenized by the server and locally; any difference refuses the rung (TokenizerMismatchError).
+llama-server adds no BOS to a token array; `return_tokens` streams the ids, `n_probs` the top-k
+with log-probabilities and each token's bytes. On a NaN row it streams `logprob: null` and top-k
+ids 0, 1, 2 (the `......` answer): the guard sees that before the token is released.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
 import httpx
 
 from qladder.engines.llamacpp import LlamaVocab
+from qladder.engines.remote import RemoteEnd, RemoteStreamError, check_tokenizer
 from qladder.errors import EngineError, TokenizerMismatchError
+from qladder.health.remote import RemoteToken
 from qladder.model import ModelInfo
 from qladder.sampling import SamplingParams
-
-PROBES = ("Hello, world!", "<|im_start|>user\nhé 🙂 — 1+1=2<|im_end|>\n", "def f(x):\n    return x ** 2",
-          " \t\n spaces  and\ttabs", "日本語のテキスト", "\u200b\u00ad zero width")
 
 
 class LlamaServerRung(LlamaVocab):
@@ -37,7 +39,10 @@ class LlamaServerRung(LlamaVocab):
             self.n_slots = int(props.get("total_slots", 1))
             self.server_model = str(props.get("model_path", ""))
             self.build = str(props.get("build_info", ""))
-            self._check_tokenizer(timeout_s)
+            check_tokenizer(f"llama-server at {self.base_url}", lambda t: self._post(timeout_s, "/tokenize", {
+                "content": t, "parse_special": True})["tokens"],
+                lambda ids: self._post(timeout_s, "/detokenize", {"tokens": ids})["content"],
+                self.tokenize, self.detokenize_bytes)
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             self.close()
             raise EngineError(f"llama-server at {self.base_url} cannot be used: {exc!r}") from exc
@@ -45,16 +50,15 @@ class LlamaServerRung(LlamaVocab):
             self.close()
             raise
 
-    def _check_tokenizer(self, timeout_s: float) -> None:
-        for text in PROBES:
-            r = httpx.post(f"{self.base_url}/tokenize", json={"content": text, "parse_special": True},
-                           timeout=timeout_s)
-            r.raise_for_status()
-            theirs, ours = r.json()["tokens"], self.tokenize(text, True)
-            if theirs != ours:
-                raise TokenizerMismatchError(
-                    f"llama-server at {self.base_url} tokenizes {text!r} as {theirs[:12]}, this model as "
-                    f"{ours[:12]}: a handoff by token ids would change the text; refusing the rung")
+    def _post(self, timeout_s: float, path: str, body: dict[str, object]) -> dict[str, Any]:
+        r = httpx.post(f"{self.base_url}{path}", json=body, timeout=timeout_s)
+        r.raise_for_status()
+        out: dict[str, Any] = r.json()
+        return out
+
+    def describe(self) -> dict[str, object]:
+        return {"server": "llama-server", "url": self.base_url, "build": self.build, "model": self.server_model,
+                "n_ctx_per_slot": self.n_ctx, "slots": self.n_slots}
 
     def body(self, ids: list[int], params: SamplingParams, n_remaining: int) -> dict[str, object]:
         """The /completion request that continues `ids`: the server samples with the request's own
@@ -63,3 +67,34 @@ class LlamaServerRung(LlamaVocab):
                 "n_probs": max(self.n_probs, params.logprobs or 0), "temperature": params.temperature,
                 "top_p": params.top_p, "top_k": params.top_k, "min_p": 0.0, "seed": params.seed % (2**32),
                 "repeat_penalty": 1.0, "cache_prompt": True, "ignore_eos": params.ignore_eos}
+
+    async def stream(self, client: httpx.AsyncClient, ids: list[int], params: SamplingParams,
+                     n_remaining: int) -> AsyncIterator[RemoteToken | RemoteEnd]:
+        body = self.body(ids, params, n_remaining)
+        async with client.stream("POST", f"{self.base_url}/completion", json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode("utf-8", "replace")[:200]
+                raise RemoteStreamError(f"llama-server answered HTTP {r.status_code}: {text}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                try:
+                    chunk = json.loads(line[6:])
+                    toks = [int(t) for t in chunk.get("tokens") or []]
+                except (ValueError, TypeError, AttributeError) as exc:
+                    raise RemoteStreamError(f"a malformed chunk from llama-server: {exc}") from exc
+                if "error" in chunk:
+                    raise RemoteStreamError(f"llama-server: {str(chunk['error'])[:200]}")
+                probs = chunk.get("completion_probabilities") or []
+                for i, t in enumerate(toks):
+                    yield _token(t, probs[i] if i < len(probs) else {})
+                if chunk.get("stop"):
+                    yield RemoteEnd(length=chunk.get("stop_type") == "limit")
+                    return
+        raise RemoteStreamError("llama-server's stream ended before its last chunk")
+
+
+def _token(t: int, p: dict[str, Any]) -> RemoteToken:
+    raw = p.get("bytes")
+    top = tuple((int(x.get("id", -1)), x.get("logprob")) for x in p.get("top_logprobs") or [])
+    return RemoteToken(t, p.get("logprob"), bytes(raw) if isinstance(raw, list) else None, top)

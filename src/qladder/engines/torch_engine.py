@@ -36,7 +36,7 @@ PRECISIONS = {
 }
 
 
-def _cached_checkpoint(info: ModelInfo, cache_dir: Path) -> Path:
+def fp32_checkpoint(info: ModelInfo, cache_dir: Path) -> Path:
     """Folder with config, fp32 safetensors and tokenizer of this GGUF, dequantized once."""
     target = cache_dir / "torch" / info.cache_key
     if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
@@ -79,7 +79,7 @@ class TorchEngine:
         from transformers import AutoTokenizer, LlamaForCausalLM
 
         torch.set_num_threads(n_threads)
-        ckpt = _cached_checkpoint(info, cache_dir)
+        ckpt = fp32_checkpoint(info, cache_dir)
         self.name = rung
         self.precision = PRECISIONS[rung]
         self.dtype = DTYPES[rung]

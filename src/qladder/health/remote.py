@@ -4,8 +4,9 @@ A remote engine (llama.cpp's server, vLLM) samples the token itself and streams 
 log-probability and the top-k alternatives; the logits row never leaves the server. So the checks
 are those the stream allows, before the token is forwarded:
 
-- nonfinite: the token's logprob (or any top-k logprob) is missing, NaN or infinite. llama-server
-  on a NaN row streams `logprob: null` and top-k ids 0, 1, 2 (vLLM samples token 0).
+- nonfinite: the token's logprob (or any top-k logprob) is missing, NaN or infinite, or -9999.0
+  (vLLM's OpenAI layer clamps -inf there). llama-server on a NaN row streams `logprob: null` and
+  top-k ids 0, 1, 2 (vLLM samples token 0).
 - flat: the most likely token's probability is under `exp(flat_gap) / V`, the bound the in-process
   guard puts on a row (a collapsed, uniform distribution).
 - mismatch: the server's bytes for the token are not what the shared vocabulary says (a tokenizer
@@ -35,8 +36,11 @@ class RemoteToken:
     top: tuple[tuple[int, float | None], ...] = ()
 
 
+CLAMPED = -9999.0  # vLLM's JSON stand-in for a -inf logprob
+
+
 def _finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)
+    return x is not None and math.isfinite(x) and x > CLAMPED
 
 
 def check_remote(guard: StepGuard, tok: RemoteToken, generated: Sequence[int], rung: str, n_vocab: int,

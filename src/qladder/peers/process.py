@@ -3,6 +3,8 @@ waiting until the server answers, and stopping it."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -32,13 +34,29 @@ def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float, poll_s
     return f"was not ready within {timeout_s:.0f} s"
 
 
-def stop(proc: subprocess.Popen[bytes] | None, timeout_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`; reaped either way."""
-    if proc is None or proc.poll() is not None:
+def stop(proc: subprocess.Popen[bytes] | None, timeout_s: float = 10.0, group: bool = False) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`; reaped either way. group: the
+    child leads a process group of its own (start_new_session) and its children are signalled too."""
+    if proc is None:
         return
-    proc.terminate()
+
+    def send(sig: signal.Signals) -> None:
+        try:
+            if group:
+                os.killpg(proc.pid, sig)
+            elif proc.poll() is None:
+                proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    if proc.poll() is not None and not group:
+        return
+    send(signal.SIGTERM)
     try:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        send(signal.SIGKILL)
         proc.wait(timeout_s)
+    if group:  # the leader is gone; its children may linger
+        time.sleep(0.2)
+        send(signal.SIGKILL)

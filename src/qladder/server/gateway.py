@@ -149,7 +149,8 @@ class Gateway:
         stats = self.client.stats()
         busy = int(stats.get("standby_active", 0)) + int(stats.get("standby_depth", 0))  # type: ignore[call-overload]
         free = busy < self.standby_sessions
-        route = self.router.route(fp, standby_free=free)
+        down = frozenset() if stats.get("healthy", True) else frozenset({self.router.pools[0].name})
+        route = self.router.route(fp, standby_free=free, down=down)
         rid = uuid.uuid4().hex[:24]
         req = self.client.request(p.prompt_ids, p.params, request_id=rid, faults=p.faults,
                                   prompt_text=p.prompt_text, start_rung=route.start_rung)

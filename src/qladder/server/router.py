@@ -8,7 +8,10 @@ In order:
    window of W requests, each pool gets its weight's share, without randomness in tests).
    A weight-routed request goes to the standby only while the standby has a free session: its
    capacity is reserved for handoffs and quarantined prompts first.
-3. The chosen pool's breaker may refuse (open, or half-open with its probes out): the request
+3. A pool the engine reports down (`down`: a remote server that stopped answering, until its
+   /health answers again) is passed over without asking its breaker, so no half-open probe is
+   spent on a server that is known to be away.
+4. The chosen pool's breaker may refuse (open, or half-open with its probes out): the request
    goes to the next pool that admits it. No pool admits: `AllPoolsOpen` (the server answers 503).
 
 One lock guards the round-robin credits; breakers and quarantine have their own.
@@ -32,7 +35,7 @@ class AllPoolsOpen(Exception):
 class Route:
     pool: str
     start_rung: int  # index into the engine's ladder: 0 = INT4, 1 = the standby's first rung
-    reason: str  # weight | quarantine | breaker:<pool> (the pool that refused)
+    reason: str  # weight | quarantine | breaker:<pool> | down:<pool> (the pool passed over)
 
 
 class Router:
@@ -56,7 +59,7 @@ class Router:
             self._credit[best.name] -= total
             return best
 
-    def route(self, fingerprint: str, standby_free: bool) -> Route:
+    def route(self, fingerprint: str, standby_free: bool, down: frozenset[str] = frozenset()) -> Route:
         standby = next((p for p in self.pools if p.kind == "standby"), None)
         if standby is not None and self.quarantine.contains(fingerprint):
             first, reason = standby, "quarantine"
@@ -65,7 +68,14 @@ class Router:
         order = [first, *(p for p in self.pools if p is not first)]
         refused: list[str] = []
         for p in order:
+            if p.name in down and p is not order[-1]:
+                refused.append(f"down:{p.name}")
+                continue
             if self.breakers[p.name].allow():
-                return Route(p.name, self.start_rung[p.name], reason if not refused else f"breaker:{refused[0]}")
+                if not refused:
+                    return Route(p.name, self.start_rung[p.name], reason)
+                first_out = refused[0]
+                why = first_out if first_out.startswith("down:") else f"breaker:{first_out}"
+                return Route(p.name, self.start_rung[p.name], why)
             refused.append(p.name)
         raise AllPoolsOpen(f"every pool's circuit breaker is open ({', '.join(refused)})")

@@ -52,7 +52,9 @@ def serving_config(t: Topology, settings: Settings) -> ServingConfig:
                          standby_queue=standby.max_queue if standby else 1,
                          scheduler=SchedulerConfig(max_queue=int4.max_queue), ladder=ladder,
                          allow_faults=t.server.allow_faults, remote_url=int4.url,
-                         remote=RemoteConfig(max_inflight=int4.slots + int4.max_queue))
+                         standby_url=standby.url if standby else None,
+                         remote=RemoteConfig(max_inflight=int4.slots + int4.max_queue
+                                             + (standby.sessions + standby.max_queue if standby else 0)))
 
 
 @dataclass

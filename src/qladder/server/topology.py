@@ -36,6 +36,10 @@
     max_queue = 256
     weight = 0.0                   # 0: its capacity is reserved for handoffs and quarantined prompts
 
+    # or a vLLM server (full precision) as the standby; its tokens are checked like rung 0's:
+    #   rungs = ["vllm"]
+    #   url = "http://127.0.0.1:8000"
+
     [breaker]                      # every pool's circuit breaker (qladder.server.breaker)
     window_s = 30.0
     min_requests = 10
@@ -65,7 +69,8 @@ from qladder.server.breaker import BreakerConfig
 from qladder.server.quarantine import QuarantineConfig
 
 INT4_RUNGS = ("int4", "llama-server")  # in-process, or a remote llama.cpp server (`url`)
-FULL_RUNGS = ("fp32", "bf16", "w4a16")
+FULL_RUNGS = ("fp32", "bf16", "w4a16", "vllm")  # in-process torch, or a remote vLLM server (`url`)
+REMOTE_RUNGS = ("llama-server", "vllm")
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,7 @@ class PoolConfig:
     max_queue: int = 64
     weight: float = 0.0
     handoff_to: str | None = None
-    url: str | None = None  # a remote rung's server (rungs = ["llama-server"])
+    url: str | None = None  # the server of the pool's remote rung (rungs = ["llama-server"] or ["vllm"])
 
     @property
     def kind(self) -> str:
@@ -251,10 +256,13 @@ def _check_pools(pools: tuple[PoolConfig, ...], errors: list[str]) -> None:
         for r in p.rungs:
             if r not in INT4_RUNGS + FULL_RUNGS:
                 errors.append(f"{where}: unknown rung {r!r} (choose from {', '.join(INT4_RUNGS + FULL_RUNGS)})")
-        if "llama-server" in p.rungs and not (p.url or "").startswith(("http://", "https://")):
-            errors.append(f"{where}: a llama-server rung needs url = \"http://host:port\"")
-        if p.url is not None and "llama-server" not in p.rungs:
-            errors.append(f"{where}: url is for a remote rung (rungs = [\"llama-server\"])")
+        remote = [r for r in p.rungs if r in REMOTE_RUNGS]
+        if remote and not (p.url or "").startswith(("http://", "https://")):
+            errors.append(f"{where}: a {remote[0]} rung needs url = \"http://host:port\"")
+        if len(remote) > 1:
+            errors.append(f"{where}: one remote rung a pool (its url), got {', '.join(remote)}")
+        if p.url is not None and not remote:
+            errors.append(f"{where}: url is for a remote rung (rungs = [\"llama-server\"] or [\"vllm\"])")
         if p.kind == "int4" and len(p.rungs) > 1:
             errors.append(f"{where}: an INT4 pool has one rung; put full-precision rungs in the pool it hands off to")
         if p.kind == "standby" and any(r in INT4_RUNGS for r in p.rungs):

@@ -30,7 +30,9 @@ from typing import Protocol, runtime_checkable
 from qladder.config import Settings
 from qladder.engines.base import Engine, check_handoff
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp
+from qladder.engines.remote import RemoteRung
 from qladder.engines.remote_llama import LlamaServerRung
+from qladder.engines.remote_vllm import VllmRung
 from qladder.errors import ConfigError, InputError
 from qladder.faults import Fault
 from qladder.health.guard import StepGuard
@@ -39,6 +41,7 @@ from qladder.machine import LadderConfig, MoveTo, Request, RequestMachine
 from qladder.model import ModelInfo, inspect_model, user_prompt_ids
 from qladder.sampling import SamplingParams
 from qladder.serving.aborts import AbortRegistry
+from qladder.serving.handoffs import Handoffs
 from qladder.serving.remote import RemoteConfig, RemotePool
 from qladder.serving.scheduler import Int4Scheduler, SchedulerConfig
 from qladder.serving.standby import StandbyPool
@@ -98,6 +101,7 @@ class ServingConfig:
     allow_faults: bool = False  # operators and test harnesses only; a client can never switch it on
     prefix_cache: bool = True  # prefill the chat template's system turn once; slots copy its KV
     remote_url: str | None = None  # rung 0 on a llama-server at this URL instead of in-process int4
+    standby_url: str | None = None  # the server of a remote standby rung (standby_rungs = ("vllm",))
     remote: RemoteConfig = field(default_factory=RemoteConfig)
 
 
@@ -137,11 +141,13 @@ class AsyncEvents:
 
 
 class ServingEngine:
-    """INT4 pool (batched llama.cpp, one scheduler thread) + standby (one worker thread)."""
+    """Rung 0 (the INT4 pool: batched llama.cpp on one scheduler thread, or a llama-server) and
+    the standby's rungs (in-process full precision on one worker thread, or a vLLM server); the
+    remote rungs share one asyncio thread (serving/remote.py)."""
 
     def __init__(self, config: ServingConfig | None = None, model: ModelInfo | str | None = None,
                  settings: Settings | None = None, incidents: IncidentSink | None = None,
-                 standby_engines: Sequence[Engine] | None = None,
+                 standby_engines: Sequence[Engine | RemoteRung] | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  observers: Sequence[Callable[[Event], None]] = ()):
         """observers: called on the serving threads with every event of every request, whether
@@ -163,12 +169,9 @@ class ServingEngine:
                                         native_dir=s.cache_dir if s.int4_monitor else None)
             if c.prefix_cache:  # before the scheduler thread owns the engine
                 self.int4.cache_prefix(template_prefix(self.info, self.int4.tokenize))
-        self._owned: list[Engine] = []
+        self._owned: list[Engine | RemoteRung] = []
         if standby_engines is None:
-            from qladder.engines import load_engine
-
-            std = Settings(s.cache_dir, c.standby_threads, c.n_ctx, s.int4_monitor)
-            standby_engines = [load_engine(r, self.info, std) for r in c.standby_rungs]
+            standby_engines = [self._load_standby(r, s) for r in c.standby_rungs]
             self._owned = list(standby_engines)
         for e in standby_engines:
             check_handoff(self.int4, e)  # type: ignore[arg-type]
@@ -177,14 +180,36 @@ class ServingEngine:
         self.n_ctx = [self.int4.n_ctx, *(e.n_ctx for e in self.standby_engines)]  # per slot, or the server's
         self._guards: dict[object, StepGuard] = {c.ladder.guard: StepGuard(c.ladder.guard, self.info.identity)}
         self.aborts = AbortRegistry()
-        self.standby = StandbyPool({i + 1: e for i, e in enumerate(self.standby_engines)}, self.aborts,
-                                   c.standby_sessions, c.standby_queue, on_return=self._return, clock=clock) \
-            if self.standby_engines else None
+        rungs: dict[int, Engine | RemoteRung] = {0: self.int4, **{i + 1: e for i, e in enumerate(standby_engines)}}
+        remote: dict[int, RemoteRung] = {j: e for j, e in rungs.items() if getattr(e, "remote", False)}  # type: ignore[misc]
+        local = {j: e for j, e in rungs.items() if j > 0 and j not in remote}
+        # Each rung's pool: in-process full precision on the standby's thread, remote ones on the
+        # remote pool's loop; a request leaving any pool for rung j goes to j's (`handoffs`).
+        self.handoffs = Handoffs({})
+        self.standby = StandbyPool(local, self.aborts, c.standby_sessions, c.standby_queue,  # type: ignore[arg-type]
+                                   on_return=self._return, forward=self.handoffs.submit, clock=clock) \
+            if local else None
+        self.remote = RemotePool(remote, self.aborts, c.remote, forward=self.handoffs.submit, clock=clock) \
+            if remote else None
+        self.handoffs.pools.update({j: self.standby for j in local if self.standby is not None})
+        self.handoffs.pools.update({j: self.remote for j in remote if self.remote is not None})
         self.scheduler: Int4Scheduler | RemotePool
-        if isinstance(self.int4, LlamaServerRung):
-            self.scheduler = RemotePool(self.int4, self.standby, self.aborts, c.remote, clock=clock)
+        if self.remote is not None and 0 in remote:
+            self.scheduler = self.remote
         else:
-            self.scheduler = Int4Scheduler(self.int4, self.standby, self.aborts, c.scheduler, clock=clock)
+            assert isinstance(self.int4, BatchedLlamaCpp)
+            self.scheduler = Int4Scheduler(self.int4, self.handoffs if len(rungs) > 1 else None, self.aborts,
+                                           c.scheduler, clock=clock)
+
+    def _load_standby(self, rung: str, s: Settings) -> Engine | RemoteRung:
+        c = self.config
+        if rung == "vllm":
+            if c.standby_url is None:
+                raise ConfigError("a vllm standby rung needs standby_url (the vLLM server's address)")
+            return VllmRung(self.info, c.standby_url)
+        from qladder.engines import load_engine
+
+        return load_engine(rung, self.info, Settings(s.cache_dir, c.standby_threads, c.n_ctx, s.int4_monitor))
 
     # -- the client interface --------------------------------------------------------------------
     @property
@@ -223,7 +248,7 @@ class ServingEngine:
 
     def _submit(self, r: Request, emit: Callable[[Event], None]) -> None:
         self._check(r)
-        if r.start_rung == 0 and self.standby is not None and not self.scheduler.healthy:
+        if r.start_rung == 0 and len(self.rungs) > 1 and not self.scheduler.healthy:
             r = replace(r, start_rung=1)  # the INT4 pool is unhealthy (a stall, no probe through yet)
         self.aborts.start(r.request_id)
         observers = tuple(self.observers)
@@ -243,8 +268,7 @@ class ServingEngine:
             if r.start_rung == 0:
                 self.scheduler.submit(m)
             else:  # routed to the standby from the start: a quarantined prompt, an open breaker
-                assert self.standby is not None
-                self.standby.submit(m, MoveTo(r.start_rung, poisoned=False), self.clock())
+                self.handoffs.submit(m, MoveTo(r.start_rung, poisoned=False), self.clock())
         except BaseException:
             self.aborts.end(r.request_id)
             raise
@@ -328,7 +352,8 @@ class ServingEngine:
                 "steps": self.scheduler.steps, "stalls": self.scheduler.stalls,
                 "prefix_hits": self.scheduler.prefix_hits,
                 "standby_depth": self.standby.depth if self.standby else 0,
-                "standby_active": self.standby.active if self.standby else 0, "live": self.aborts.live}
+                "standby_active": (self.standby.active if self.standby else 0)
+                + (self.remote.standby_active if self.remote else 0), "live": self.aborts.live}
 
     def close(self) -> None:
         """Stop the threads and free the engines; raises EngineDeadError if a serving thread hit
@@ -337,6 +362,8 @@ class ServingEngine:
             self.scheduler.close()
         finally:
             try:
+                if self.remote is not None and self.remote is not self.scheduler:
+                    self.remote.close()
                 if self.standby is not None:
                     self.standby.close()
             finally:

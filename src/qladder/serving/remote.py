@@ -1,73 +1,80 @@
-"""Rung 0 on a remote serving engine (llama.cpp's `llama-server`): each request streams from it,
-and every streamed token is judged before it is released.
+"""The remote pool: the ladder's rungs that live on serving engines over HTTP (llama-server as
+rung 0, vLLM as the standby, or both), each streamed token judged before it is released.
 
-One thread runs an asyncio loop that owns the HTTP client and every request while it is on the
-remote rung (a `RequestMachine` is handed over to the loop by `submit`, and on a hazard to the
-standby's queue: one owner at a time). Per request:
+One thread runs an asyncio loop that owns the HTTP client and every request while it is on a
+remote rung (a `RequestMachine` is handed to the loop by `submit`, and away from it by
+`forward`: one owner at a time). Per request, on remote rung j:
 
-    POST /completion {prompt: context ids, stream, n_probs, return_tokens}
+    stream = rungs[j].stream(context ids, params, tokens left)       (engines/remote*.py)
     each token: m.judge_remote(token, logprob, top-k, bytes, gap) -> hazard?
        ok     -> m.accept_token (released to the client; stop strings, EOS, length as in-process)
-       hazard -> the stream is closed (llama-server stops decoding it), the bad token never
-                 released, and the context (prompt + accepted ids) moves to the standby
+       hazard -> the stream is closed (the server stops decoding it), the bad token never
+                 released, and the context (prompt + accepted ids) moves to the next rung: on
+                 this pool if it is remote too, else `forward`ed (the in-process standby)
     a dropped connection, a 5xx, a malformed chunk or a gap past the deadline is a hazard too
+    Verify(j) (a loop seen on an in-process rung): one greedy token from rung j decides
 
-The pool's interface is the INT4 scheduler's (submit, resubmit, healthy, stats), so ServingEngine
-drives either. While the server is unreachable the pool is unhealthy (new requests go straight to
-the standby) and probes its /health every `probe_every_s`.
+As rung 0 the pool has the INT4 scheduler's interface (submit, resubmit, healthy, stats), so
+ServingEngine drives either. While a rung's server is unreachable the rung is unhealthy (for
+rung 0: new requests go straight to the standby) and its /health is probed every `probe_every_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 
-from qladder.engines.remote_llama import LlamaServerRung
+from qladder.engines.remote import RemoteEnd, RemoteRung, RemoteStreamError
 from qladder.errors import EngineDeadError, QueueFullError
 from qladder.health.remote import RemoteToken
-from qladder.machine import Done, MoveTo, RequestMachine
-from qladder.sampling import TokenLogprob
+from qladder.machine import Action, Done, MoveTo, RequestMachine, Verify
+from qladder.sampling import SamplingParams, TokenLogprob
 from qladder.serving.aborts import AbortRegistry
-from qladder.serving.standby import StandbyPool
 from qladder.types import FinishReason, Hazard
 
 _log = logging.getLogger("qladder.remote")
 
+Forward = Callable[[RequestMachine, Action, float], None]
+
 
 @dataclass(frozen=True)
 class RemoteConfig:
-    max_inflight: int = 64  # requests streaming from (or queued at) the server; more: QueueFullError
+    max_inflight: int = 64  # requests streaming from (or queued at) the servers; more: QueueFullError
     connect_timeout_s: float = 5.0
     probe_every_s: float = 1.0
+    # The wait for a stream's first token covers the server's queue and the prefill, not one
+    # decode step: the guard's step deadline applies from the second token on.
+    first_token_timeout_s: float = 30.0
 
 
 class RemotePool:
-    def __init__(self, rung: LlamaServerRung, standby: StandbyPool | None, aborts: AbortRegistry,
-                 config: RemoteConfig | None = None, clock: Callable[[], float] = time.perf_counter):
-        self.rung = rung
-        self.standby = standby
+    def __init__(self, rungs: Mapping[int, RemoteRung], aborts: AbortRegistry, config: RemoteConfig | None = None,
+                 forward: Forward | None = None, clock: Callable[[], float] = time.perf_counter):
+        """rungs: ladder index -> remote rung. forward: where a request goes for a rung not here
+        (raises QueueFullError when that pool is full); None: such a request gets the fallback."""
+        self.rungs = dict(rungs)
         self.aborts = aborts
         self.config = config or RemoteConfig()
+        self.forward = forward
         self.clock = clock
-        self.healthy = True
+        self.health = dict.fromkeys(self.rungs, True)
         self.steps = 0  # tokens judged
         self.stalls = 0  # deadline hazards
         self.prefix_hits = 0
         self.bugs: list[BaseException] = []
         self._n = 0
+        self._on: dict[int, int] = dict.fromkeys(self.rungs, 0)  # requests streaming per rung (loop thread)
         self._lock = threading.Lock()  # guards _n (submitting threads, the loop)
         self._loop = asyncio.new_event_loop()
         self._client: httpx.AsyncClient | None = None
-        self._prober: asyncio.Future[None] | None = None
+        self._probers: dict[int, asyncio.Future[None]] = {}
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run_loop, name="qladder-remote", daemon=True)
         self._thread.start()
@@ -75,27 +82,41 @@ class RemotePool:
 
     # -- any thread ---------------------------------------------------------------------------------
     @property
+    def healthy(self) -> bool:
+        """Rung 0's server answers (True when rung 0 is not remote)."""
+        return self.health.get(0, True)
+
+    @property
     def slots_in_use(self) -> int:
-        return self._n
+        return self._on.get(0, 0)
 
     @property
     def depth(self) -> int:
-        return max(0, self._n - self.rung.n_slots)  # queued at the server, beyond its slots
+        r0 = self.rungs.get(0)
+        return max(0, self._on.get(0, 0) - r0.n_slots) if r0 is not None else 0  # queued at the server
 
-    def submit(self, m: RequestMachine) -> None:
-        self._take(m, None)
+    @property
+    def standby_active(self) -> int:
+        return sum(n for j, n in self._on.items() if j > 0)
 
-    def resubmit(self, m: RequestMachine, started: float) -> None:
-        self._take(m, started)
+    @property
+    def inflight(self) -> int:
+        return self._n
 
-    def _take(self, m: RequestMachine, started: float | None) -> None:
+    def submit(self, m: RequestMachine, action: Action | None = None, started: float | None = None) -> None:
+        """Take over a request: a new one on rung m.rung (action None), or one moving here
+        (MoveTo/Verify of a rung of this pool) since `started`. Raises QueueFullError when full."""
         if not self._thread.is_alive():
             raise EngineDeadError("the remote pool's thread is gone")
         with self._lock:
             if self._n >= self.config.max_inflight:
-                raise QueueFullError(f"{self._n} requests are in flight on {self.rung.base_url}", retry_after_s=1.0)
+                raise QueueFullError(f"{self._n} requests are in flight on the remote rungs", retry_after_s=1.0)
             self._n += 1
-        asyncio.run_coroutine_threadsafe(self._serve(m, started), self._loop)
+        asyncio.run_coroutine_threadsafe(self._serve(m, action, started), self._loop)
+
+    def resubmit(self, m: RequestMachine, started: float) -> None:
+        """A request the standby hands back to rung 0 (policy `return_after`)."""
+        self.submit(m, MoveTo(0, poisoned=False), started)
 
     def wake(self) -> None:
         """Aborts are seen at the request's next token; nothing to wake."""
@@ -123,14 +144,16 @@ class RemotePool:
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
         timeout = httpx.Timeout(None, connect=self.config.connect_timeout_s)
+        # No keep-alive: llama-server closes kept-alive connections after a few requests, and a
+        # request sent on a closed one fails without an answer.
         limits = httpx.Limits(max_connections=self.config.max_inflight, max_keepalive_connections=0)
         self._client = httpx.AsyncClient(timeout=timeout, limits=limits)
         self._started.set()
         self._loop.run_forever()
 
-    async def _serve(self, m: RequestMachine, started: float | None) -> None:
+    async def _serve(self, m: RequestMachine, action: Action | None, started: float | None) -> None:
         try:
-            await self._stream(m, started)
+            await self._drive(m, action, started)
         except asyncio.CancelledError:
             m.finish(FinishReason.ABORT)  # the pool closes
         except Exception as exc:  # a bug of our own: the request still ends, close() raises it
@@ -141,110 +164,131 @@ class RemotePool:
             with self._lock:
                 self._n -= 1
 
-    async def _stream(self, m: RequestMachine, started: float | None) -> None:
-        assert self._client is not None
-        rung = self.rung
-        body = rung.body(m.context, m.params, max(1, m.params.max_tokens - m.step))
-        deadline = m.config.guard.step_deadline_s
-        hazard: Hazard | None = None
-        if started is not None:
-            m.moved(0, started, len(m.context), warm=False)  # a policy return to rung 0
-        try:
-            async with self._client.stream("POST", f"{rung.base_url}/completion", json=body) as r:
-                if r.status_code != 200:
-                    text = (await r.aread()).decode("utf-8", "replace")[:200]
-                    hazard = self._error(m, f"llama-server answered HTTP {r.status_code}: {text}")
-                else:
-                    self._set_healthy(True)
-                    hazard = await self._tokens(m, r, deadline)
-        except httpx.HTTPError as exc:
-            self._set_healthy(False)
-            hazard = self._error(m, f"llama-server connection failed: {exc!r}")
-        if hazard is None:
-            return
-        action = m.on_hazard(hazard, None)
-        if isinstance(action, Done):
-            return
-        assert isinstance(action, MoveTo)
-        if self.standby is None:
+    async def _drive(self, m: RequestMachine, action: Action | None, started: float | None) -> None:
+        """Run the request on this pool's rungs until it ends or leaves for a rung not here."""
+        when = started if started is not None else self.clock()
+        while True:
+            if isinstance(action, Done):
+                return
+            if isinstance(action, Verify):
+                if action.rung not in self.rungs:
+                    return self._leave(m, action, when)
+                action = m.on_verify(await self._greedy_token(m, action.rung))
+                continue
+            j = m.rung if action is None else action.rung
+            if j not in self.rungs:
+                return self._leave(m, action, when)  # type: ignore[arg-type]
+            if m.rung != j:
+                m.moved(j, when, len(m.context), warm=False)
+            action = await self._stream(m, j)
+            if action is None:
+                return
+            when = self.clock()
+
+    def _leave(self, m: RequestMachine, action: Action, started: float) -> None:
+        if self.forward is None:
             m.finish(FinishReason.DEGRADED, fallback=True)
-        else:
-            self.standby.submit(m, action, self.clock())
+            return
+        try:
+            self.forward(m, action, started)
+        except QueueFullError:  # nothing is lost: the request ends with the explicit fallback
+            m.finish(FinishReason.DEGRADED, fallback=True)
+
+    async def _stream(self, m: RequestMachine, j: int) -> Action | None:
+        """Stream the request on remote rung j; None when it ended (done or aborted), else where
+        it goes next (a hazard's move, or a policy move)."""
+        assert self._client is not None
+        rung = self.rungs[j]
+        self._on[j] += 1
+        try:
+            hazard = await self._tokens(m, rung, j)
+        except RemoteStreamError as exc:
+            hazard = self._error(m, str(exc))
+        except httpx.HTTPError as exc:
+            self._set_healthy(j, False)
+            hazard = self._error(m, f"{rung.name} connection failed: {exc!r}")
+        finally:
+            self._on[j] -= 1
+        if isinstance(hazard, Hazard):
+            return m.on_hazard(hazard, None)
+        return hazard
 
     def _error(self, m: RequestMachine, detail: str) -> Hazard:
         return Hazard("engine_error", m.rungs[m.rung], m.step, detail=detail)
 
-    async def _tokens(self, m: RequestMachine, r: httpx.Response, deadline: float) -> Hazard | None:
-        """Judge and release the streamed tokens; None when the request ended (done or aborted)."""
-        lines = r.aiter_lines()
-        last = self.clock()
-        while True:
-            if self.aborts.is_aborted(m.request_id):
-                m.finish(FinishReason.ABORT)
-                return None
-            try:  # the inter-token deadline, while the server is silent
-                line = await asyncio.wait_for(anext(lines), timeout=deadline + 0.05) if deadline < 1e9 \
-                    else await anext(lines)
-            except TimeoutError:
-                self.stalls += 1
-                return Hazard("deadline", m.rungs[m.rung], m.step, self.clock() - last, deadline,
-                              detail="llama-server sent no token within the deadline")
-            except StopAsyncIteration:
-                return self._error(m, "llama-server's stream ended before its last chunk")
-            if not line.startswith("data: "):
-                continue
-            try:
-                chunk = json.loads(line[6:])
-                toks = [int(t) for t in chunk.get("tokens") or []]
-            except (ValueError, TypeError) as exc:
-                return self._error(m, f"a malformed chunk from llama-server: {exc}")
-            if "error" in chunk:
-                return self._error(m, f"llama-server: {str(chunk['error'])[:200]}")
-            probs = chunk.get("completion_probabilities") or []
-            for i, t in enumerate(toks):
+    async def _tokens(self, m: RequestMachine, rung: RemoteRung, j: int) -> Hazard | Action | None:
+        """Judge and release the streamed tokens. None: the request ended (done or aborted); a
+        Hazard (the stream is closed on return: the server stops this request); or a policy move."""
+        deadline = m.config.guard.step_deadline_s
+        stream = rung.stream(self._client, m.context, m.params, max(1, m.params.max_tokens - m.step))  # type: ignore[arg-type]
+        async with contextlib.aclosing(stream) as items:
+            last = self.clock()
+            first = True
+            while True:
+                if self.aborts.is_aborted(m.request_id):
+                    m.finish(FinishReason.ABORT)
+                    return None
+                limit = max(deadline, self.config.first_token_timeout_s) if first else deadline
+                try:  # the inter-token deadline, while the server is silent
+                    item = await asyncio.wait_for(anext(items), timeout=limit + 0.05) if limit < 1e9 \
+                        else await anext(items)
+                except TimeoutError:
+                    self.stalls += 1
+                    return Hazard("deadline", m.rungs[m.rung], m.step, self.clock() - last, limit,
+                                  detail=f"{rung.name} sent no token within {limit:.1f} s")
+                except StopAsyncIteration:
+                    raise RemoteStreamError(f"{rung.name}'s stream ended without an end") from None
+                was_first = first
+                if first:
+                    first = False
+                    self._set_healthy(j, True)
+                if isinstance(item, RemoteEnd):
+                    m.finish(FinishReason.LENGTH if item.length else FinishReason.STOP)
+                    return None
                 now = self.clock()
-                took, last = now - last, now
-                tok = _remote_token(t, probs[i] if i < len(probs) else {})
+                took, last = (0.0 if was_first else now - last), now  # the first token's wait is the TTFT
                 self.steps += 1
-                expected = None if t in self.rung.eos_ids else self.rung.detokenize_bytes([t])
-                hazard = m.judge_remote(tok, took, self.rung.n_vocab, expected)
+                t = item.token_id
+                expected = None if t in rung.eos_ids or not 0 <= t < rung.n_vocab else rung.detokenize_bytes([t])
+                hazard = m.judge_remote(item, took, rung.n_vocab, expected)
                 if hazard is not None:
                     if hazard.check == "deadline":
                         self.stalls += 1
-                    return hazard  # the stream is closed on return: the server stops this request
-                lp = _logprob(tok, m.params.logprobs) if m.logprobs is not None else None
+                    return hazard
+                lp = _logprob(item, m.params.logprobs) if m.logprobs is not None else None
                 action = m.accept_token(t, lp)
                 if isinstance(action, Done):
                     return None
-                if isinstance(action, MoveTo):  # a policy move (not a hazard)
-                    assert self.standby is not None
-                    self.standby.submit(m, action, self.clock())
-                    return None
-            if chunk.get("stop"):
-                reason = FinishReason.LENGTH if chunk.get("stop_type") == "limit" else FinishReason.STOP
-                m.finish(reason)
-                return None
+                if isinstance(action, (MoveTo, Verify)):  # a policy move (not a hazard)
+                    return action
 
-    def _set_healthy(self, ok: bool) -> None:
-        if ok:
-            self.healthy = True
-        elif self.healthy:
-            self.healthy = False
-            self._prober = asyncio.ensure_future(self._probe())
-
-    async def _probe(self) -> None:
+    async def _greedy_token(self, m: RequestMachine, j: int) -> int | None:
+        """Rung j's greedy next token on the request's context (None: it could not say)."""
         assert self._client is not None
-        while not self.healthy:
+        rung = self.rungs[j]
+        try:
+            async with contextlib.aclosing(rung.stream(self._client, m.context, SamplingParams(max_tokens=1), 1)) as s:
+                async for item in s:
+                    if isinstance(item, RemoteToken):
+                        return item.token_id
+        except (RemoteStreamError, httpx.HTTPError):
+            pass
+        return None
+
+    def _set_healthy(self, j: int, ok: bool) -> None:
+        if ok:
+            self.health[j] = True
+        elif self.health[j]:
+            self.health[j] = False
+            self._probers[j] = asyncio.ensure_future(self._probe(j))
+
+    async def _probe(self, j: int) -> None:
+        assert self._client is not None
+        while not self.health[j]:
             await asyncio.sleep(self.config.probe_every_s)
             with contextlib.suppress(httpx.HTTPError):
-                if (await self._client.get(f"{self.rung.base_url}/health", timeout=2.0)).status_code == 200:
-                    self.healthy = True
-
-
-def _remote_token(t: int, p: dict[str, Any]) -> RemoteToken:
-    raw = p.get("bytes")
-    top = tuple((int(x.get("id", -1)), x.get("logprob")) for x in p.get("top_logprobs") or [])
-    return RemoteToken(t, p.get("logprob"), bytes(raw) if isinstance(raw, list) else None, top)
+                if (await self._client.get(f"{self.rungs[j].base_url}/health", timeout=2.0)).status_code == 200:
+                    self.health[j] = True
 
 
 def _logprob(tok: RemoteToken, k: int | None) -> TokenLogprob:

@@ -38,7 +38,7 @@ from qladder.errors import EngineDeadError, EngineError, QueueFullError
 from qladder.faults import MASSIVE_ACTIVATION
 from qladder.machine import Action, Continue, Done, MoveTo, RequestMachine, Verify
 from qladder.serving.aborts import AbortRegistry
-from qladder.serving.standby import StandbyPool
+from qladder.serving.handoffs import RungPool
 from qladder.types import FinishReason, Hazard
 
 _log = logging.getLogger("qladder.scheduler")
@@ -79,7 +79,7 @@ class _Flight:
 
 
 class Int4Scheduler:
-    def __init__(self, engine: BatchedLlamaCpp, standby: StandbyPool | None, aborts: AbortRegistry,
+    def __init__(self, engine: BatchedLlamaCpp, standby: RungPool | None, aborts: AbortRegistry,
                  config: SchedulerConfig | None = None, clock: Callable[[], float] = time.perf_counter):
         self.engine = engine
         self.standby = standby

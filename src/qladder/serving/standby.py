@@ -6,7 +6,8 @@ steps them round-robin, one decode step each, so every handed-off request progre
 handoffs wait in a FIFO queue instead of oversubscribing the cores (2 cores: the INT4 pool on
 one, the standby on the other). A request arrives as its `RequestMachine` (an ownership
 transfer: the sender never touches it again) with the action to carry out: `MoveTo(j)` or
-`Verify(j)`. A policy return to rung 0 (`return_after`) hands the machine back to `on_return`.
+`Verify(j)`. A policy return to rung 0 (`return_after`) hands the machine back to `on_return`; a
+move to a rung this pool does not run (a remote one) hands it to `forward`.
 """
 
 from __future__ import annotations
@@ -45,8 +46,12 @@ class StandbyPool:
 
     def __init__(self, engines: Mapping[int, Engine], aborts: AbortRegistry, max_sessions: int = 4,
                  max_queue: int = 256, on_return: Callable[[RequestMachine, float], None] | None = None,
+                 forward: Callable[[RequestMachine, Action, float], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter):
+        """on_return: a policy move back to rung 0. forward: a move to a rung not here (a remote
+        one; QueueFullError when its pool is full)."""
         self.engines = dict(engines)
+        self.forward = forward
         self.aborts = aborts
         self.max_sessions = max_sessions
         self.on_return = on_return
@@ -152,6 +157,15 @@ class StandbyPool:
                 t.action = Continue()
                 return False
             self.on_return(m, t.started)
+            return True
+        if j not in self.engines:  # a rung on another pool (a remote server)
+            self._close(t)
+            try:
+                if self.forward is None:
+                    raise QueueFullError(f"rung {j} has no pool")
+                self.forward(m, action, t.started)
+            except QueueFullError:  # nothing is lost: the request ends with the explicit fallback
+                m.finish(FinishReason.DEGRADED, fallback=True)
             return True
         engine = self.engines[j]
         same = t.session is not None and m.rung == j  # opened by a Verify on this rung already

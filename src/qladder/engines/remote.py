@@ -1,0 +1,87 @@
+"""Remote rungs: a serving engine over HTTP (llama.cpp's llama-server, vLLM) as a rung of the ladder.
+
+A remote rung samples each token itself; qladder keeps the vocabulary in-process (the GGUF's
+tokenizer, `vocab_only`), sends every context as token ids, and judges each streamed token
+(`health/remote.py`) before it is released. So a handoff between any two rungs, remote or
+in-process, continues from the same ids:
+
+    async for item in rung.stream(client, context_ids, params, n_remaining):
+        RemoteToken(id, logprob, bytes?, top-k) ...  then one RemoteEnd
+    (a non-200 answer, an error chunk, a malformed chunk or a stream cut short: RemoteStreamError;
+     an unreachable server: httpx.HTTPError)
+
+At start-up each rung tokenizes a set of probe texts on its server and detokenizes the ids back;
+any difference from the local vocabulary refuses the rung (TokenizerMismatchError): a handoff by
+ids between mismatched tokenizers would change the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import httpx
+
+from qladder.errors import TokenizerMismatchError
+from qladder.health.remote import RemoteToken
+from qladder.sampling import SamplingParams
+
+# Special tokens, emoji, accents, CJK, code indentation, runs of whitespace, zero-width characters.
+PROBES = ("Hello, world!", "<|im_start|>user\nhé 🙂 — 1+1=2<|im_end|>\n", "def f(x):\n    return x ** 2",
+          " \t\n spaces  and\ttabs", "日本語のテキスト", "\u200b\u00ad zero width")
+
+
+@dataclass(frozen=True)
+class RemoteEnd:
+    """The server ended the answer: `length` when its token budget ran out, else EOS or a stop."""
+
+    length: bool
+
+
+class RemoteStreamError(Exception):
+    """The server answered, but not with a usable stream (non-200, error or malformed chunk, cut short)."""
+
+
+@runtime_checkable
+class RemoteRung(Protocol):
+    name: str
+    base_url: str
+    remote: bool  # True: the ladder drives this rung from the remote pool, not a local thread
+    n_ctx: int
+    n_slots: int
+    n_vocab: int
+    eos_ids: frozenset[int]
+    fingerprint: str  # the local vocabulary's: the probe check at start-up vouches for the server's
+
+    def detokenize_bytes(self, token_ids: Sequence[int]) -> bytes: ...
+
+    def stream(self, client: httpx.AsyncClient, ids: list[int], params: SamplingParams,
+               n_remaining: int) -> AsyncIterator[RemoteToken | RemoteEnd]:
+        """Continue `ids` for at most `n_remaining` tokens, sampled with `params` by the server."""
+        ...
+
+    def describe(self) -> dict[str, object]:
+        """What the server says of itself (version, model, flags it reports), for reports."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def check_tokenizer(where: str, remote_tokenize: Callable[[str], list[int]],
+                    remote_detokenize: Callable[[list[int]], str],
+                    local_tokenize: Callable[[str, bool], list[int]],
+                    local_detokenize: Callable[[list[int]], bytes]) -> None:
+    """Every probe text must tokenize to the same ids on the server as locally, and the server must
+    turn those ids (control tokens left out) back into the same text; else TokenizerMismatchError."""
+    for text in PROBES:
+        theirs, ours = remote_tokenize(text), local_tokenize(text, True)
+        if theirs != ours:
+            raise TokenizerMismatchError(
+                f"{where} tokenizes {text!r} as {theirs[:12]}, this model as {ours[:12]}: a handoff by "
+                "token ids would change the text; refusing the rung")
+        text_ids = [t for t in ours if local_detokenize([t])]  # control tokens render as text remotely only
+        back, local = remote_detokenize(text_ids), local_detokenize(text_ids).decode("utf-8", "replace")
+        if back != local:
+            raise TokenizerMismatchError(
+                f"{where} detokenizes {text_ids[:12]} as {back!r}, this model as {local!r}; refusing the rung")

@@ -1,0 +1,117 @@
+"""A remote rung on vLLM's OpenAI server: `/v1/completions` with token ids as the prompt.
+
+    rung = VllmRung(info, "http://127.0.0.1:8000")          checks the server's tokenizer at start
+    async for item in rung.stream(client, ids, params, n)    RemoteToken* RemoteEnd
+
+`return_token_ids` streams the sampled ids, `logprobs` the top-k (capped by the server's
+`--max-logprobs`), and `return_tokens_as_token_ids` keys the top-k by id ("token_id:N") rather
+than by text. vLLM samples token 0 from an all-NaN row and answers 200 (the `!!!!` of vLLM
+issues #14126, #15194); its OpenAI layer clamps a -inf logprob to -9999.0, which the guard
+reads as non-finite. Here vLLM serves the full-precision standby (the fp32 safetensors folder
+qladder caches for its torch rungs), so its answers are judged like any other rung's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from qladder.engines.llamacpp import LlamaVocab
+from qladder.engines.remote import RemoteEnd, RemoteStreamError, check_tokenizer
+from qladder.errors import EngineError, TokenizerMismatchError
+from qladder.health.remote import RemoteToken
+from qladder.model import ModelInfo
+from qladder.sampling import SamplingParams
+
+
+class VllmRung(LlamaVocab):
+    name = "vllm"
+    precision = "vLLM's OpenAI server (remote), as served (the standby: fp32 weights)"
+    remote = True
+
+    def __init__(self, info: ModelInfo, base_url: str, n_slots: int = 8, n_probs: int = 4,
+                 timeout_s: float = 10.0):
+        super().__init__(info)
+        self.base_url = base_url.rstrip("/")
+        self.n_slots = n_slots
+        self.n_probs = n_probs
+        try:
+            models = httpx.get(f"{self.base_url}/v1/models", timeout=timeout_s).json()["data"]
+            self.model = str(models[0]["id"])
+            self.n_ctx = int(models[0]["max_model_len"])
+            self.version = str(httpx.get(f"{self.base_url}/version", timeout=timeout_s).json()["version"])
+            check_tokenizer(f"vLLM at {self.base_url}", lambda t: self._post(timeout_s, "/tokenize", {
+                "model": self.model, "prompt": t, "add_special_tokens": False})["tokens"],
+                lambda ids: self._post(timeout_s, "/detokenize", {"model": self.model, "tokens": ids})["prompt"],
+                self.tokenize, self.detokenize_bytes)
+            # vLLM 0.32's CPU build sets up its logprobs path lazily: the first request asking for
+            # them takes ~2.8 s here, then ~0.1 s. Pay it now, not on a handoff.
+            self._post(max(timeout_s, 60.0), "/v1/completions", {"model": self.model, "prompt": [min(self.eos_ids)],
+                       "max_tokens": 1, "logprobs": self.n_probs, "temperature": 0})
+        except (httpx.HTTPError, KeyError, ValueError, IndexError, TypeError) as exc:
+            self.close()
+            raise EngineError(f"vLLM at {self.base_url} cannot be used: {exc!r}") from exc
+        except TokenizerMismatchError:
+            self.close()
+            raise
+
+    def _post(self, timeout_s: float, path: str, body: dict[str, object]) -> dict[str, Any]:
+        r = httpx.post(f"{self.base_url}{path}", json=body, timeout=timeout_s)
+        r.raise_for_status()
+        out: dict[str, Any] = r.json()
+        return out
+
+    def describe(self) -> dict[str, object]:
+        return {"server": "vllm", "url": self.base_url, "version": self.version, "model": self.model,
+                "max_model_len": self.n_ctx}
+
+    def body(self, ids: list[int], params: SamplingParams, n_remaining: int) -> dict[str, object]:
+        """The /v1/completions request that continues `ids`, sampled with the request's settings
+        (vLLM's penalties off); stop strings and EOS stay qladder's (`skip_special_tokens` off)."""
+        return {"model": self.model, "prompt": ids, "max_tokens": n_remaining, "stream": True,
+                "logprobs": max(self.n_probs, params.logprobs or 0), "return_token_ids": True,
+                "return_tokens_as_token_ids": True, "temperature": params.temperature, "top_p": params.top_p,
+                "top_k": params.top_k or -1, "seed": params.seed % (2**32), "ignore_eos": params.ignore_eos,
+                "skip_special_tokens": False, "repetition_penalty": 1.0, "frequency_penalty": 0.0,
+                "presence_penalty": 0.0}
+
+    async def stream(self, client: httpx.AsyncClient, ids: list[int], params: SamplingParams,
+                     n_remaining: int) -> AsyncIterator[RemoteToken | RemoteEnd]:
+        body = self.body(ids, params, n_remaining)
+        async with client.stream("POST", f"{self.base_url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode("utf-8", "replace")[:200]
+                raise RemoteStreamError(f"vLLM answered HTTP {r.status_code}: {text}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line[6:].strip() == "[DONE]":
+                    break
+                try:
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        raise RemoteStreamError(f"vLLM: {str(chunk['error'])[:200]}")
+                    choice = chunk["choices"][0]
+                    toks = [int(t) for t in choice.get("token_ids") or []]
+                    lp = choice.get("logprobs") or {}
+                    chosen = lp.get("token_logprobs") or []
+                    tops = lp.get("top_logprobs") or []
+                    items = [RemoteToken(t, chosen[i] if i < len(chosen) else None, None,
+                                         _top(tops[i] if i < len(tops) else None)) for i, t in enumerate(toks)]
+                except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+                    raise RemoteStreamError(f"a malformed chunk from vLLM: {exc!r}") from exc
+                for item in items:
+                    yield item
+                if choice.get("finish_reason"):
+                    yield RemoteEnd(length=choice["finish_reason"] == "length")
+                    return
+        raise RemoteStreamError("vLLM's stream ended before a finish_reason")
+
+
+def _top(d: dict[str, float | None] | None) -> tuple[tuple[int, float | None], ...]:
+    if not d:
+        return ()
+    return tuple((int(k.rsplit(":", 1)[1]) if k.startswith("token_id:") else -1, v) for k, v in d.items())

@@ -1,0 +1,125 @@
+"""qladder serve in front of two real serving engines: llama.cpp's llama-server (the INT4 pool, on
+the embedded GGUF or a copy with one block scale set to inf) and vLLM's OpenAI server (the
+full-precision standby, on the fp32 folder), both started by the tests, driven with the official
+`openai` client. No server's output is mocked: the faults are a corrupted GGUF and a killed process."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from qladder.model import user_prompt_ids
+from qladder.peers.llama_server import LlamaServer
+from qladder.peers.process import free_port
+from qladder.server.breaker import BreakerConfig
+from qladder.server.serve import Server, build_server
+from qladder.server.topology import PoolConfig, Topology
+
+pytestmark = pytest.mark.slow
+PROMPT = "Name three colors."
+MODEL = "smollm2-135m-instruct"
+
+
+@contextlib.contextmanager
+def serving(llama_url: str, vllm_url: str, tmp_path, breaker: BreakerConfig | None = None
+            ) -> Iterator[tuple[Server, str]]:
+    t = Topology()
+    pools = (PoolConfig("edge", ("llama-server",), slots=4, weight=1.0, handoff_to="gpu", url=llama_url),
+             PoolConfig("gpu", ("vllm",), sessions=4, url=vllm_url))
+    t = dataclasses.replace(t, pools=pools, breaker=breaker or t.breaker,
+                            server=dataclasses.replace(t.server, incidents=str(tmp_path / "incidents.db")))
+    server = build_server(t)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    try:
+        while not uv.started:
+            time.sleep(0.05)
+        yield server, f"http://127.0.0.1:{port}/v1"
+    finally:
+        uv.should_exit = True
+        thread.join(30)
+        server.close()
+
+
+def _wait(pred, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return bool(pred())
+
+
+def _stream(base: str, text: str, max_tokens: int) -> tuple[str, dict, str]:
+    with openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=300) as c:
+        raw = c.chat.completions.with_raw_response.create(
+            model=MODEL, stream=True, max_tokens=max_tokens, temperature=0,
+            messages=[{"role": "user", "content": text}])
+        chunks = list(raw.parse())
+    pieces = [ch.choices[0].delta.content for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    return "".join(pieces), chunks[-1].model_extra["qladder"], raw.headers.get("x-qladder-route", "")
+
+
+def test_the_dot_flood_of_llama_server_becomes_a_clean_answer_continued_on_vllm(
+        model_info, inf_scale_gguf, vllm_server, tmp_path):
+    with LlamaServer(inf_scale_gguf, n_parallel=2, threads=1, n_ctx_per_slot=1024) as bad, \
+            serving(bad.base_url, vllm_server.base_url, tmp_path) as (server, base):
+        ids = user_prompt_ids(model_info.chat_template, PROMPT, server.vocab.tokenize)
+        straight = httpx.post(f"{bad.base_url}/completion", timeout=60,
+                              json={"prompt": ids, "n_predict": 8, "temperature": 0}).json()
+        reference = httpx.post(f"{vllm_server.base_url}/v1/completions", timeout=120, json={
+            "model": "fp32", "prompt": ids, "max_tokens": 24, "temperature": 0}).json()["choices"][0]["text"]
+        text, ext, _ = _stream(base, PROMPT, 24)
+        assert _wait(lambda: server.store.count() >= 1, 10)
+        rows = server.store.rows(10)
+    assert straight["content"] == "." * 8  # the garbage a client of the bare server gets, with 200 OK
+    assert all(p["logprob"] is None for p in straight.get("completion_probabilities", [])) or "." * 8
+    assert [(h["check"], h["rung"], h["step"]) for h in ext["hazards"]] == [("nonfinite", "llama-server", 0)]
+    assert ext["handoffs"][0]["from_rung"] == "llama-server" and ext["handoffs"][0]["to_rung"] == "vllm"
+    assert set(ext["tokens_per_rung"]) == {"vllm"} and not ext["fallback"]
+    assert text == reference and not text.startswith(".")  # vLLM's own greedy answer; no '.' forwarded
+    assert len(rows) == 1 and rows[0]["rung"] == "llama-server" and rows[0]["action"] == "handoff:vllm"
+
+
+def test_a_killed_llama_server_ends_on_vllm_opens_the_breaker_and_half_open_probes_close_it_after_restart(
+        model_info, vllm_server, tmp_path):
+    breaker = BreakerConfig(window_s=60, min_requests=3, max_error_rate=0.2, open_s=2.0, probes=2)
+    ls = LlamaServer(model_info.path, n_parallel=4, threads=1, n_ctx_per_slot=1024).start()
+    try:
+        with serving(ls.base_url, vllm_server.base_url, tmp_path, breaker) as (server, base):
+            story = "Write a long story about a dragon who learns to bake bread."
+            with cf.ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(_stream, base, story, 120) for _ in range(4)]
+                assert _wait(lambda: server.engine.stats()["steps"] >= 24, 60)  # all four are streaming
+                ls.proc.kill()  # mid-stream
+                ls.stop()  # reaped
+                answers = [f.result(timeout=300) for f in futures]
+            breakers = server.gateway.breakers
+            assert str(breakers["edge"].mode) == "open"
+            _, during, route = _stream(base, PROMPT, 8)  # while it is away: straight to vLLM
+            assert set(during["tokens_per_rung"]) == {"vllm"} and not during["handoffs"]
+            assert route in ("down:edge", "breaker:edge")
+            ls = LlamaServer(model_info.path, n_parallel=4, threads=1, n_ctx_per_slot=1024, port=ls.port).start()
+            assert _wait(lambda: server.engine.ready, 30)  # the pool's /health probe saw it back
+            time.sleep(breaker.open_s)
+            after = [_stream(base, PROMPT, 8) for _ in range(breaker.probes + 1)]
+            metrics = httpx.get(base.removesuffix("/v1") + "/metrics").text
+            assert str(breakers["edge"].mode) == "closed"
+    finally:
+        ls.stop()
+    for text, ext, _ in answers:
+        assert text.strip() and not ext["fallback"]
+        assert ext["hazards"][0]["check"] == "engine_error" and ext["hazards"][0]["rung"] == "llama-server"
+        assert ext["handoffs"][0]["to_rung"] == "vllm" and "vllm" in ext["tokens_per_rung"]
+    assert all(set(ext["tokens_per_rung"]) == {"llama-server"} for _, ext, _ in after[:breaker.probes])
+    for to in ("open", "half_open", "closed"):
+        assert f'qladder_breaker_transitions_total{{pool="edge",to="{to}"}}' in metrics

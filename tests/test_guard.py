@@ -243,3 +243,74 @@ def test_calibrated_bounds_are_keyed_by_the_model_not_its_depth(caplog, model_in
     peaks = torch.tensor([25_000.0] * 30)
     assert StepGuard(GuardConfig(), SMOLLM2_IDENTITY).check(_normal_row(), [], "int4", peaks, 65504.0, rest).layer == 10
     assert other.check(_normal_row(), [], "int4", peaks, 65504.0, rest) is None
+
+
+# -- the remote guard: what a serving engine's stream says of each token ---------------------------------
+
+def _remote(logprob, top=(), text=None, tid=7):
+    from qladder.health.remote import RemoteToken
+
+    return RemoteToken(tid, logprob, text, tuple(top))
+
+
+def test_remote_guard_flags_null_nan_and_clamped_logprobs_and_flat_top_k():
+    from qladder.health.remote import check_remote
+
+    g = StepGuard(GUARD_PRESETS["default"])
+    V = 49152
+    assert check_remote(g, _remote(-0.1, [(7, -0.1), (9, -3.0)]), [], "llama-server", V, None) is None
+    for bad in (None, float("nan"), float("-inf"), -9999.0):  # -9999.0: vLLM's stand-in for -inf
+        h = check_remote(g, _remote(bad, [(7, -0.1)]), [], "llama-server", V, None)
+        assert h is not None and h.check == "nonfinite"
+    flat = -math.log(V) + 0.5  # under the in-process bound exp(flat_gap) / V
+    assert check_remote(g, _remote(flat, [(7, flat)]), [], "vllm", V, None).check == "flat"
+
+
+def test_remote_guard_checks_the_streamed_text_against_the_vocabulary():
+    from qladder.health.remote import check_remote
+
+    g = StepGuard(GUARD_PRESETS["default"])
+    ok = check_remote(g, _remote(-0.2, text=b" the"), [], "llama-server", 100, b" the")
+    dropped = check_remote(g, _remote(-0.2, text=b"\xf0\x9f\x91\xa8"), [], "llama-server", 100, b"\xa8")
+    assert ok is None and dropped is not None and dropped.check == "mismatch"
+
+
+def test_remote_guard_sees_a_diffused_distribution_only_where_a_higher_rung_can_take_over():
+    from qladder.health.remote import check_remote
+
+    g = StepGuard(GuardConfig(diffuse_window=4, diffuse_logprob=-2.0))
+    sure, unsure = [-0.3] * 3, [-2.5] * 3
+    assert check_remote(g, _remote(-0.4), [1, 2, 3], "llama-server", 49152, None, sure, can_climb=True) is None
+    h = check_remote(g, _remote(-2.6), [1, 2, 3], "llama-server", 49152, None, unsure, can_climb=True)
+    assert h is not None and h.check == "diffuse" and h.value < -2.0
+    assert check_remote(g, _remote(-2.6), [1, 2, 3], "vllm", 49152, None, unsure, can_climb=False) is None
+    # before the first full window, the prefix mean has its own (lower) bound: diffuse_first_logprob
+    assert check_remote(g, _remote(-2.6), [1], "llama-server", 49152, None, [-2.0], can_climb=True) is None
+    early = check_remote(g, _remote(-3.0), [1], "llama-server", 49152, None, [-2.5], can_climb=True)
+    assert early is not None and early.check == "diffuse" and early.threshold == g.config.diffuse_first_logprob
+
+
+def test_a_remote_rung_holds_a_window_back_and_a_diffused_one_is_rolled_back_whole():
+    from qladder.health.remote import RemoteToken
+    from qladder.machine import LadderConfig, MoveTo, Request, RequestMachine
+
+    events = []
+    cfg = LadderConfig(guard=GuardConfig(diffuse_window=4, diffuse_logprob=-2.0))
+    m = RequestMachine(Request("r", (1, 2, 3)), ["llama-server", "vllm"], [512, 512], frozenset({0}),
+                       lambda ids: b"".join(b"%d " % i for i in ids), cfg, StepGuard(cfg.guard), emit=events.append)
+    m.hold_for_remote()
+    assert m.stream.hold == 3
+    for t, lp in ((10, -0.1), (11, -0.2), (12, -0.1), (13, -0.3), (14, -0.2)):  # confident: released 3 behind
+        assert m.judge_remote(RemoteToken(t, lp, None, ((t, lp),)), 0.01, 49152, None) is None
+        m.accept_token(t)
+    assert m.stream.released == 2 and m.accepted == [10, 11, 12, 13, 14]
+    h = None
+    for t in (15, 16, 17):  # the distribution diffuses: the window [14..17] averages under -2.0
+        h = m.judge_remote(RemoteToken(t, -3.0, None, ((t, -3.0),)), 0.01, 49152, None)
+        if h is not None:
+            break
+        m.accept_token(t)
+    assert h is not None and h.check == "diffuse"
+    assert isinstance(m.on_hazard(h, None), MoveTo)
+    assert m.accepted == [10, 11, 12, 13] and m.context == [1, 2, 3, 10, 11, 12, 13]  # only what was shown
+    assert m.token_rungs == ["llama-server"] * 4

@@ -157,3 +157,42 @@ def test_qladder_serve_in_front_of_a_broken_llama_server_streams_a_clean_answer(
     assert [(h["check"], h["rung"]) for h in ext["hazards"]] == [("nonfinite", "llama-server")]
     assert ext["handoffs"][0]["to_rung"] == "fp32" and set(ext["tokens_per_rung"]) == {"fp32"}
     assert len(rows) == 1 and rows[0]["rung"] == "llama-server" and rows[0]["action"] == "handoff:fp32"
+
+
+def test_ids_llama_server_leaves_out_of_its_stream_are_caught_and_the_answer_continues_from_the_last_known(
+        servers):
+    """While an emoji's bytes span tokens, llama-server streams only the id of the token that
+    completes it (the non-streaming answer has them all): the chunk's text is not its token's."""
+    good, _ = servers
+    se = _engine(good.base_url)
+    try:
+        ids = _ids(se, "👨‍💻👨‍💻👨‍💻 what is this?")
+        every = httpx.post(f"{good.base_url}/completion", timeout=60, json={
+            "prompt": ids, "n_predict": 12, "temperature": 0, "return_tokens": True}).json()["tokens"]
+        r = se.generate_sync(se.request(ids, SamplingParams(max_tokens=12)))
+    finally:
+        se.close()
+    assert r.hazards and r.hazards[0].check == "mismatch" and r.hazards[0].rung == "llama-server"
+    k = r.token_rungs.count("llama-server")
+    assert r.token_ids[:k] == every[:k] and k < len(every)  # only ids the server really sampled, in order
+    assert set(r.token_rungs[k:]) == {"fp32"} and r.token_ids[k:] == _fp32_greedy(ids + every[:k], 12 - k)[
+        :len(r.token_ids) - k]
+
+
+def test_a_server_whose_vocabulary_differs_is_refused_at_start(model_info, tmp_path):
+    """A real llama-server on a copy of the GGUF with two token strings swapped: the rung's probe
+    texts tokenize differently there, so handing ids across would change the text."""
+    from qladder.engines.llamacpp import LlamaVocab
+    from qladder.engines.remote_llama import LlamaServerRung
+    from qladder.errors import TokenizerMismatchError
+    from qladder.faults import swapped_vocab_gguf
+
+    vocab = LlamaVocab(model_info)
+    hello, world = vocab.tokenize("Hello", False)[0], vocab.tokenize(" world", False)[0]
+    vocab.close()
+    other = swapped_vocab_gguf(model_info.path, tmp_path / "swapped.gguf", hello, world)
+    assert other["swapped"] == [hello, world]
+    with LlamaServer(tmp_path / "swapped.gguf", n_parallel=1, threads=1, n_ctx_per_slot=512) as ls:
+        with pytest.raises(TokenizerMismatchError, match="tokenizes 'Hello, world!'"):
+            LlamaServerRung(model_info, ls.base_url)
+        assert httpx.get(f"{ls.base_url}/health").status_code == 200  # the server itself is fine

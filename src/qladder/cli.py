@@ -201,6 +201,12 @@ def validate(
     corpus: Annotated[Path | None, typer.Option(help="Folder with normal.jsonl and abnormal.jsonl.")] = None,
     standby_share: Annotated[float, typer.Option("--standby-share", help="Standby share of capacity.")] = 0.2,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+    remote: Annotated[bool, typer.Option("--remote", help="On real servers: bare llama-server vs qladder serve "
+                                                          "over llama-server + vLLM.")] = False,
+    config: Annotated[Path | None, typer.Argument(help="With --remote: a run config (see "
+                                                       "qladder/validate/remote_example.toml).")] = None,
+    beside: Annotated[Path | None, typer.Option(help="With --remote: an in-process results.json for the table "
+                                                     "beside (default: out/validate/results.json).")] = None,
 ) -> None:
     """Replay the corpora through bare INT4 and the guarded ladder, and measure the three boundaries."""
     from qladder.validate.fault_models import by_name
@@ -208,6 +214,12 @@ def validate(
     from qladder.validate.runner import validate as run_validate
 
     _quiet_libraries()
+    if remote:
+        _validate_remote(quick, out, config, max_tokens, corpus, progress, beside)
+        return
+    if config is not None:
+        _fail("a CONFIG argument goes with --remote")
+        return
     try:
         by_name(faults or [])  # a malformed spec fails before any model loads
         overrides: dict[str, object] = {"fault_names": tuple(faults or ()), "corpus_dir": corpus,
@@ -223,6 +235,34 @@ def validate(
     typer.echo(f"bare:    garbage {b['garbage_rate']:.1%}  5xx {b['error_rate']:.1%}")
     typer.echo(f"guarded: garbage {g['garbage_rate']:.1%} (fp32 alone gives the same: {g['garbage_model_own']})  "
                f"5xx {g['error_rate']:.1%}  false handoffs {g['false_handoff_rate']:.1%}")
+    typer.echo(f"report:  {out / 'report.html'}")
+
+
+def _validate_remote(quick: bool, out: Path, config: Path | None, max_tokens: int | None, corpus: Path | None,
+                     progress: bool, beside: Path | None) -> None:
+    import dataclasses
+
+    from qladder.validate.remote import load_remote_config, validate_remote
+
+    try:
+        cfg = load_remote_config(config, quick)
+        overrides: dict[str, object] = {"corpus_dir": corpus}
+        if max_tokens is not None:
+            overrides["max_tokens"] = max_tokens
+        cfg = dataclasses.replace(cfg, **overrides)  # type: ignore[arg-type]
+        beside = beside or Path("out/validate/results.json")
+        if out == Path("qladder-validate"):
+            out = Path("qladder-validate-remote")
+        results = validate_remote(cfg, out, show_progress=progress, log=lambda s: typer.echo(s, err=True),
+                                  beside=beside)
+    except QladderError as exc:
+        _fail(str(exc))
+        return
+    b, g = results["bare"], results["guarded"]
+    typer.echo(f"bare llama-server: garbage {b['garbage_rate']:.1%}  5xx {b['error_rate']:.1%}")
+    typer.echo(f"qladder serve:     garbage {g['garbage_rate']:.1%} (fp32 alone gives the same: "
+               f"{g['garbage_model_own']})  5xx {g['error_rate']:.1%}  "
+               f"P99 gateway / bare {results['p99_ratio_gateway_over_bare'] or float('nan'):.3f}")
     typer.echo(f"report:  {out / 'report.html'}")
 
 

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -269,7 +270,7 @@ def glitch_gguf(src: Path, dst: Path, x: float = 1000.0, tokens: Sequence[int] |
     Returns what was changed, with the largest |value| of a scaled row.
     """
     import numpy as np
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGUFReader
 
     reader = GGUFReader(str(src))
     by_name = {t.name: t for t in reader.tensors}
@@ -287,15 +288,7 @@ def glitch_gguf(src: Path, dst: Path, x: float = 1000.0, tokens: Sequence[int] |
     if rows.size == 0 or rows.min() < 0 or rows.max() >= emb.data.shape[0]:
         raise ConfigError(f"glitch token ids out of range (vocabulary of {emb.data.shape[0]})")
 
-    arch = reader.fields["general.architecture"].contents()
-    writer = GGUFWriter(str(dst), arch=arch)
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue  # header fields, and the one the writer adds itself
-        if f.types[0] == GGUFValueType.ARRAY:
-            writer.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1])
-        else:
-            writer.add_key_value(name, f.contents(), f.types[0])
+    writer = _writer_with_fields(reader, dst)
     patched = np.array(emb.data, copy=True)
     blocks = patched.reshape(patched.shape[0], -1, size)
     n_scales = 2 if kind == "Q4_1" else 1  # Q4_1 blocks carry d then m
@@ -315,6 +308,41 @@ def glitch_gguf(src: Path, dst: Path, x: float = 1000.0, tokens: Sequence[int] |
     peak = float(np.abs(_dequantize_rows(patched, kind, rows)).max())
     return {"tensor": "token_embd.weight", "tokens": len(rows), "x": x, "max_abs_scaled": peak,
             "untied_output": tied}
+
+
+def _writer_with_fields(reader: Any, dst: Path, replace: dict[str, object] | None = None) -> Any:
+    """A GGUFWriter for `dst` holding the reader's metadata (with `replace`d values), no tensors yet."""
+    from gguf import GGUFValueType, GGUFWriter
+
+    writer = GGUFWriter(str(dst), arch=reader.fields["general.architecture"].contents())
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # header fields, and the one the writer adds itself
+        value = (replace or {}).get(name, f.contents())
+        if f.types[0] == GGUFValueType.ARRAY:
+            writer.add_key_value(name, value, f.types[0], sub_type=f.types[-1])
+        else:
+            writer.add_key_value(name, value, f.types[0])
+    return writer
+
+
+def swapped_vocab_gguf(src: Path, dst: Path, a: int, b: int) -> dict[str, object]:
+    """A copy of a GGUF whose vocabulary has tokens `a` and `b` swapped (their strings trade ids):
+    a server on it tokenizes some text differently from the original, and a handoff by ids
+    between the two would change the text. For the tokenizer check at a remote rung's start."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(src))
+    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
+    tokens[a], tokens[b] = tokens[b], tokens[a]
+    writer = _writer_with_fields(reader, dst, {"tokenizer.ggml.tokens": tokens})
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {"swapped": [a, b], "strings": [tokens[b], tokens[a]]}
 
 
 def _dequantize_rows(data: object, kind: str, rows: object) -> object:

@@ -132,6 +132,7 @@ class RequestMachine:
         self.timings: dict[str, float] = {}
         self.step_ms: list[float] = []
         self.last_accept: float | None = None
+        self.top1: list[float] = []  # the current remote rung's top-1 logprobs (its `diffuse` check)
         self.pending_hazard: Hazard | None = None  # the repetition hazard awaiting verification
         self.pending_row_argmax: int | None = None
         self.done: GenerationResult | None = None
@@ -208,7 +209,19 @@ class RequestMachine:
         if took_s > deadline:
             return Hazard("deadline", name, self.step, took_s, deadline,
                           detail=f"the next token took {took_s * 1e3:.0f} ms")
-        return check_remote(self.guard, tok, self.stream.ids, name, n_vocab, expected_bytes)
+        hazard = check_remote(self.guard, tok, self.stream.ids, name, n_vocab, expected_bytes, self.top1,
+                              self.rung + 1 < len(self.rungs))
+        if hazard is None:
+            finite = [v for v in (tok.logprob, *(v for _, v in tok.top)) if v is not None]
+            self.top1.append(max(finite))
+        return hazard
+
+    def hold_for_remote(self) -> None:
+        """Streaming from a remote rung with a rung above it: keep the last `diffuse_window - 1`
+        tokens unreleased, so that a window the `diffuse` check refuses is rolled back whole."""
+        g = self.config.guard
+        climb = self.rung + 1 < len(self.rungs)
+        self.stream.hold = g.diffuse_window - 1 if climb and g.check_logits and g.diffuse_logprob is not None else 0
 
     def accept_token(self, token: int, logprob: TokenLogprob | None = None) -> Action:
         """A healthy token a remote rung sampled: accept it (no row here: the server sampled)."""
@@ -258,6 +271,8 @@ class RequestMachine:
     def on_hazard(self, hazard: Hazard, row: torch.Tensor | None) -> Action:
         """Drop the step; record the hazard; ask the policy (a repetition first asks the next rung)."""
         self.close_handoff(self.clock())  # a handoff whose new rung failed before its first token
+        if hazard.check == "diffuse":  # the whole window is suspect: roll back what was held
+            self.rollback_unreleased()
         self.hazards.append(hazard)
         self.emit(HazardEvent(self.request_id, hazard))
         self.streak = 0
@@ -285,10 +300,20 @@ class RequestMachine:
             return Done(self.finish(action.reason, fallback=action.fallback))
         return MoveTo(action.to, poisoned=True)
 
+    def rollback_unreleased(self) -> None:
+        """Forget the accepted tokens not yet released (the next rung continues from the rest)."""
+        keep = self.stream.released
+        self.stream.truncate(keep)
+        del self.token_rungs[keep:]
+        if self.logprobs is not None:
+            del self.logprobs[keep:]
+
     def moved(self, to: int, started: float, caught: int, warm: bool) -> None:
         """The driver carried out a move: rung `to` holds the context (it evaluated `caught` ids)."""
         self.handoff_started = (started, self.rungs[self.rung], to, caught, warm)
         self.rung, self.streak = to, 0
+        self.top1.clear()
+        self.stream.hold = 0
 
     def close_handoff(self, now: float) -> None:
         if self.handoff_started is None:

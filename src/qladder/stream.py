@@ -60,6 +60,7 @@ class TextStream:
         self.ids: list[int] = []  # every accepted token, released or not
         self._pieces: list[bytes] = []
         self.released = 0  # tokens released so far
+        self.hold = 0  # the last `hold` accepted tokens stay unreleased until the answer ends
         self.text = ""  # their text
         self.stopped_at: int | None = None  # tokens kept when a stop string matched
 
@@ -91,7 +92,8 @@ class TextStream:
         nothing more is released."""
         if self.stopped_at is not None:
             return 0, ""
-        end = len(self.ids) if final else len(self.ids) - (self._loop_hold() if self.loop_max_period else 0)
+        end = len(self.ids) if final else len(self.ids) - max(self._loop_hold() if self.loop_max_period else 0,
+                                                              self.hold)
         start = self.released
         if end <= start:
             return 0, ""

@@ -24,7 +24,8 @@ class FinishReason(StrEnum):
 class Hazard:
     """One failed health check. `step` is the index of the token that was about to be produced."""
 
-    check: str  # nonfinite | flat | magnitude | repetition | activation | engine_error | deadline
+    check: str  # nonfinite | flat | magnitude | repetition | activation | outlier | engine_error | deadline
+    #             remote rungs also: mismatch (the stream's text is not its ids') | diffuse
     rung: str
     step: int
     value: float | None = None

@@ -4,8 +4,16 @@
     async for item in rung.stream(client, ids, params, n)    RemoteToken* RemoteEnd
 
 llama-server adds no BOS to a token array; `return_tokens` streams the ids, `n_probs` the top-k
-with log-probabilities and each token's bytes. On a NaN row it streams `logprob: null` and top-k
-ids 0, 1, 2 (the `......` answer): the guard sees that before the token is released.
+with log-probabilities. On a NaN row it streams `logprob: null` and top-k ids 0, 1, 2 (the
+`......` answer): the guard sees that before the token is released.
+
+Measured on this build (llama.cpp vendored by llama-cpp-python 0.3.36): while a character's UTF-8
+bytes span several tokens (an emoji ZWJ sequence), the server holds the text back and then
+streams one chunk with the id of the last token only: the ids before it are lost from the stream
+(the non-streaming answer has them all), and the per-token `bytes` of `completion_probabilities`
+drift out of line from there on. So each single-token chunk's `content` is the token's bytes as
+the server sent them, checked against the vocabulary (`mismatch`): a chunk whose text is not its
+token's is never released, and the answer continues on the next rung from the last ids known.
 """
 
 from __future__ import annotations
@@ -86,15 +94,18 @@ class LlamaServerRung(LlamaVocab):
                 if "error" in chunk:
                     raise RemoteStreamError(f"llama-server: {str(chunk['error'])[:200]}")
                 probs = chunk.get("completion_probabilities") or []
+                # The chunk's text, against which its one token's bytes are checked: llama-server holds
+                # back an incomplete UTF-8 character and then streams only the id of the token that
+                # completed it, dropping the ids before it (their bytes arrive in `content`).
+                text = str(chunk.get("content") or "").encode("utf-8", "surrogatepass") if len(toks) == 1 else None
                 for i, t in enumerate(toks):
-                    yield _token(t, probs[i] if i < len(probs) else {})
+                    yield _token(t, probs[i] if i < len(probs) else {}, text)
                 if chunk.get("stop"):
                     yield RemoteEnd(length=chunk.get("stop_type") == "limit")
                     return
         raise RemoteStreamError("llama-server's stream ended before its last chunk")
 
 
-def _token(t: int, p: dict[str, Any]) -> RemoteToken:
-    raw = p.get("bytes")
+def _token(t: int, p: dict[str, Any], text: bytes | None) -> RemoteToken:
     top = tuple((int(x.get("id", -1)), x.get("logprob")) for x in p.get("top_logprobs") or [])
-    return RemoteToken(t, p.get("logprob"), bytes(raw) if isinstance(raw, list) else None, top)
+    return RemoteToken(t, p.get("logprob"), text, top)

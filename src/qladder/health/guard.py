@@ -82,6 +82,14 @@ class GuardConfig:
     repetition_short_min_repeats: int = 6
     repetition_short_min_span: int = 12
     step_deadline_s: float = 2.0
+    # Remote rungs with a rung above them: the server's own top-1 log-probability, averaged over
+    # the last `diffuse_window` tokens, under `diffuse_logprob` means the distribution has diffused
+    # (finite garbage, e.g. a corrupted weight, that no NaN check sees). bench/calibrate_diffuse.py.
+    diffuse_window: int = 8
+    diffuse_logprob: float | None = -2.2  # clean: lowest window -2.13 over 322 answers, corrupted -1.85 max
+    # The answer's first 2..window-1 tokens (judged before the first full window): their mean
+    # under this bound. Clean answers reach -2.35 there, a corrupted scale's mostly under -2.5.
+    diffuse_first_logprob: float = -2.5
 
 
 GUARD_PRESETS: dict[str, GuardConfig] = {

@@ -9,8 +9,13 @@ are those the stream allows, before the token is forwarded:
   top-k ids 0, 1, 2 (vLLM samples token 0).
 - flat: the most likely token's probability is under `exp(flat_gap) / V`, the bound the in-process
   guard puts on a row (a collapsed, uniform distribution).
-- mismatch: the server's bytes for the token are not what the shared vocabulary says (a tokenizer
-  or transport fault; the text would not be the ids).
+- mismatch: the server's text for the token is not what the shared vocabulary says (a tokenizer
+  or transport fault, or ids the stream left out: the text would not be the ids).
+- diffuse: the top-1 log-probability, averaged over the last `diffuse_window` tokens, is under
+  `diffuse_logprob` (the distribution has diffused: a corrupted weight's finite garbage, which the
+  checks above pass); before the first full window, the mean of the answer's first 2.. tokens
+  under `diffuse_first_logprob`. Only where a higher rung exists to take over: a soft signal
+  (bench/calibrate_diffuse.py).
 - repetition: the accepted ids loop (the in-process guard's own rule, `StepGuard.check_repetition`).
 The driver adds `deadline` (an inter-token gap past `step_deadline_s`) and `engine_error` (a
 dropped connection, a 5xx, a malformed chunk).
@@ -28,7 +33,8 @@ from qladder.types import Hazard
 
 @dataclass(frozen=True)
 class RemoteToken:
-    """One streamed token: its id, the server's logprob for it, its bytes, and the top-k (id, logprob)."""
+    """One streamed token: its id, the server's logprob for it, the text the server sent with it (its
+    bytes, when the server says), and the top-k (id, logprob)."""
 
     token_id: int
     logprob: float | None
@@ -44,7 +50,9 @@ def _finite(x: float | None) -> bool:
 
 
 def check_remote(guard: StepGuard, tok: RemoteToken, generated: Sequence[int], rung: str, n_vocab: int,
-                 expected_bytes: bytes | None) -> Hazard | None:
+                 expected_bytes: bytes | None, top1: Sequence[float] = (), can_climb: bool = False) -> Hazard | None:
+    """top1: this rung's top-1 logprobs of the tokens before this one (for `diffuse`); can_climb: a
+    higher rung exists."""
     c = guard.config
     step = len(generated)
     if c.check_logits:
@@ -60,4 +68,12 @@ def check_remote(guard: StepGuard, tok: RemoteToken, generated: Sequence[int], r
         if expected_bytes is not None and tok.token_bytes is not None and tok.token_bytes != expected_bytes:
             return Hazard("mismatch", rung, step, detail=f"token {tok.token_id}: the server sent "
                                                          f"{tok.token_bytes!r}, the vocabulary says {expected_bytes!r}")
+        w = c.diffuse_window
+        if can_climb and c.diffuse_logprob is not None and best is not None and len(top1) >= 1:
+            recent = [*top1[max(0, len(top1) - (w - 1)):], best]
+            bound = c.diffuse_logprob if len(recent) >= w else c.diffuse_first_logprob  # a prefix
+            mean = sum(recent) / len(recent)
+            if mean < bound:
+                return Hazard("diffuse", rung, step, mean, bound,
+                              detail=f"the top-1 logprob averaged {mean:.2f} over the last {len(recent)} tokens")
     return guard.check_repetition(generated, rung)  # as in-process: the loop in the ids accepted so far

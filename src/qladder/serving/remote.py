@@ -220,6 +220,7 @@ class RemotePool:
         """Judge and release the streamed tokens. None: the request ended (done or aborted); a
         Hazard (the stream is closed on return: the server stops this request); or a policy move."""
         deadline = m.config.guard.step_deadline_s
+        m.hold_for_remote()
         stream = rung.stream(self._client, m.context, m.params, max(1, m.params.max_tokens - m.step))  # type: ignore[arg-type]
         async with contextlib.aclosing(stream) as items:
             last = self.clock()
@@ -249,7 +250,7 @@ class RemotePool:
                 took, last = (0.0 if was_first else now - last), now  # the first token's wait is the TTFT
                 self.steps += 1
                 t = item.token_id
-                expected = None if t in rung.eos_ids or not 0 <= t < rung.n_vocab else rung.detokenize_bytes([t])
+                expected = rung.detokenize_bytes([t]) if 0 <= t < rung.n_vocab else None
                 hazard = m.judge_remote(item, took, rung.n_vocab, expected)
                 if hazard is not None:
                     if hazard.check == "deadline":

@@ -90,6 +90,15 @@ FAULT_MODELS: tuple[FaultModel, ...] = (
         trigger="the prompts assigned to it are served by the corrupted copy",
         gguf_patch=(("tensor", "blk.11.ffn_down.weight"), ("row", 507), ("block", 0), ("x", 1000.0))),
     FaultModel(
+        "inf_scale", (),
+        "A corrupted scale that became +inf (an exponent bit flip): the block's outputs are inf, "
+        "the next layer's NaN, and every logit NaN. llama-server then answers '......' (token 30 "
+        "repeated) with HTTP 200, every logprob null and top-k ids 0, 1, 2.",
+        "A copy of the GGUF with the fp16 scale of block 0 of blk.11.ffn_down.weight, row 507, set "
+        "to +inf (qladder.faults.inf_scale_gguf); llama.cpp's real kernels on the copy.",
+        trigger="the prompts assigned to it are served by the corrupted copy", quick=False,
+        gguf_patch=(("tensor", "blk.11.ffn_down.weight"), ("row", 507), ("block", 0)), patch="inf_scale"),
+    FaultModel(
         "glitch_tokens", (),
         "Glitch tokens: rare tokens whose embeddings training barely touched (here the 137 byte "
         "tokens for UTF-8 lead and continuation bytes and C0 controls, which only appear alone when "

@@ -35,7 +35,8 @@ def _pair(lat: dict[str, Any]) -> str:
     return f"{_f(lat['per_token_p50_ms'], '{:.2f}')} / {_f(lat['per_token_p99_ms'], '{:.2f}')}"
 
 
-def main_table(r: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+def main_table(r: dict[str, Any], labels: tuple[str, str] = ("bare int4", "guarded ladder")
+               ) -> tuple[list[str], list[list[str]]]:
     b, g, ratio = r["bare"], r["guarded"], r["latency_ratio_guarded_over_bare"]
     lb, lg = b["latency_normal"], g["latency_normal"]
     rows = [
@@ -62,7 +63,7 @@ def main_table(r: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
          f"{_pct(b['agreement_fp32'].get('prefix'))} / {_pct(b['agreement_fp32'].get('position'))}",
          f"{_pct(g['agreement_fp32'].get('prefix'))} / {_pct(g['agreement_fp32'].get('position'))}", ""],
     ]
-    return ["", "bare int4", "guarded ladder", "guarded / bare"], rows
+    return ["", *labels, "guarded / bare"], rows
 
 
 def verdicts(r: dict[str, Any]) -> list[list[str]]:
@@ -309,3 +310,90 @@ def _ended(e: dict[str, Any] | None) -> str:
     if not e:
         return "n/a"
     return f"{e['requests']} ({_pct(e['rate'])}; judged garbage: {e['judged_garbage']})"
+
+
+# -- qladder validate --remote ---------------------------------------------------------------------------
+
+REMOTE_LABELS = ("bare llama-server", "qladder serve (llama-server + vLLM)")
+
+
+def remote_verdicts(r: dict[str, Any]) -> list[list[str]]:
+    g = r["guarded"]
+    checks = [("guarded garbage on crafted prompts, beyond what fp32 alone answers, = 0%",
+               g.get("garbage_beyond_fp32_rate"), lambda v: v == 0, _pct),
+              ("guarded 5xx on crafted prompts = 0%", g["error_rate"], lambda v: v == 0, _pct),
+              ("P99 of normal requests, gateway / bare llama-server <= 1.05 (every request, rounds pooled)",
+               r.get("p99_ratio_gateway_over_bare"), lambda v: v <= 1.05, lambda v: _f(v, "{:.3f}"))]
+    rows = [[name, fmt(v), "n/a" if v is None else ("PASS" if ok(v) else "FAIL")] for name, v, ok, fmt in checks]
+    ratio = r["latency_ratio_guarded_over_bare"]
+    rows.append(["P99 over prompts of each prompt's median (machine noise damped)",
+                 _f(ratio.get("p99_prompt_medians"), "{:.3f}"), "for reading the line above"])
+    return rows
+
+
+def server_table(r: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    s = r["environment"]["servers"]
+    ls, vl = s["llama_server"], s["vllm"]
+    mem = r["environment"]["memory_rss_mb"]
+    rows = [["llama-server", str(ls.get("version")), " ".join(ls.get("args", [])[2:]), str(ls.get("threads"))],
+            ["vLLM", str(vl.get("version")), " ".join(vl.get("args", [])) or str(vl.get("url")),
+             str(vl.get("OMP_NUM_THREADS", "n/a"))],
+            ["qladder serve", str(r["environment"]["versions"].get("qladder")),
+             f"{s['qladder_serve']['processes']} processes (one per served model)", "-"],
+            ["clients", str(s["concurrency"]["clients"]), s["concurrency"]["mode"], "-"]]
+    rows += [[f"memory: {k}", _f(v, "{:.0f}") + " MB", "", ""] for k, v in mem.items()]
+    return ["", "version", "flags", "threads"], rows
+
+
+def beside_table(b: dict[str, Any], r: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    rows = []
+    for name, key, fmt in (("garbage, crafted prompts", "garbage_rate", _pct),
+                           ("garbage beyond fp32's own", "garbage_beyond_fp32_rate", _pct),
+                           ("5xx, crafted prompts", "error_rate", _pct),
+                           ("P99 latency, normal prompts (ms)", "p99_ms", _f)):
+        def get(sec: dict[str, Any], key: str = key) -> Any:
+            return sec.get("latency_normal", {}).get("p99_ms") if key == "p99_ms" else sec.get(key)
+
+        rows.append([name, fmt(b["bare"].get(key)), fmt(b["guarded"].get(key)), fmt(get(r["bare"])),
+                     fmt(get(r["guarded"]))])
+    return ["", "in-process bare int4", "in-process guarded", "remote bare", "remote guarded"], rows
+
+
+def remote_blocks(r: dict[str, Any], images: dict[str, str | None]) -> list[Block]:
+    mode = "quick" if r["config"]["quick"] else "full"
+    m = r["method"]
+    out: list[Block] = [
+        ("h1", "qladder validate --remote: bare llama-server vs qladder serve over llama-server + vLLM"),
+        ("p", f"Run mode **{mode}**, {m['prompts']['normal']} normal prompts x {m['rounds_normal']} rounds and "
+              f"{m['prompts']['abnormal']} abnormal prompts, {m['clients']} clients in parallel. {m['order']}. "
+              f"{m['faults_note']}. Crafted = abnormal prompts with and without a fault model."),
+        ("table", main_table(r, REMOTE_LABELS)),
+        ("h2", "Targets"), ("table", (["target", "measured", ""], remote_verdicts(r))),
+    ]
+    if images.get("latency_cdf"):
+        out.append(("img", (images["latency_cdf"], "latency CDF")))
+    out += [("h2", "Per fault model (abnormal prompts)")]
+    if images.get("replay"):
+        out.append(("img", (images["replay"], "garbage and 5xx per fault model")))
+    out += [("table", fault_table(r)), ("h2", "Per prompt class (crafted)"), ("table", class_table(r)),
+            ("h2", "Servers"), ("table", server_table(r)),
+            ("p", f"Incidents recorded by each qladder serve: {r.get('incidents_recorded')}. {m['memory_note']}.")]
+    b = r.get("beside_in_process")
+    if b:
+        out += [("h2", "Beside the in-process run"),
+                ("p", f"From {b['path']} ({'quick' if b.get('quick') else 'full'} run)."),
+                ("table", beside_table(b, r))]
+    return out
+
+
+def write_remote_report(r: dict[str, Any], out_dir: Path) -> None:
+    images: dict[str, str | None] = {}
+    if plots.available():
+        walls = r.get("latency_samples_normal_ms") or {}
+        for name, draw in (("replay", lambda p: plots.replay(r, p)),
+                           ("latency_cdf", lambda p: plots.latency_cdf(walls, p))):
+            path = draw(out_dir / f"{name}.png")
+            images[name] = path.name if path else None
+    bl = remote_blocks(r, images)
+    (out_dir / "report.md").write_text(to_markdown(bl), encoding="utf-8")
+    (out_dir / "report.html").write_text(to_html(bl, out_dir), encoding="utf-8")

@@ -3,7 +3,11 @@ the on-disk cache; the very first run dequantizes the GGUF, ~15 s)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -87,3 +91,23 @@ def vllm_server(model_info, settings, tmp_path_factory):
     server = VllmServer(folder, max_num_seqs=8, threads=1, extra=("--enforce-eager",), log=log).start()
     yield server
     server.stop()
+
+
+@contextlib.contextmanager
+def live_app(app) -> Iterator[str]:
+    """A real uvicorn server on a free loopback port, in a thread, for the block: yields its /v1 URL."""
+    import uvicorn
+
+    from qladder.peers.process import free_port
+
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    try:
+        while not uv.started:
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        uv.should_exit = True
+        thread.join(30)

@@ -19,7 +19,7 @@ from qladder.serving import ServingConfig, ServingEngine
 from qladder.types import FinishReason
 from qladder.validate.replay import greedy
 
-from .conftest import get_engine
+from .conftest import get_engine, live_app
 
 pytestmark = pytest.mark.slow
 PROMPT = "Name three colors."
@@ -120,9 +120,7 @@ def test_qladder_serve_in_front_of_a_broken_llama_server_streams_a_clean_answer(
     import dataclasses
 
     import openai
-    import uvicorn
 
-    from qladder.peers.process import free_port
     from qladder.server.serve import build_server
     from qladder.server.topology import PoolConfig, Topology
 
@@ -132,14 +130,8 @@ def test_qladder_serve_in_front_of_a_broken_llama_server_streams_a_clean_answer(
              PoolConfig("standby", ("fp32",), sessions=2))
     t = dataclasses.replace(t, pools=pools, server=dataclasses.replace(t.server, incidents=str(tmp_path / "i.db")))
     server = build_server(t, standby_engines=[get_engine("fp32")])
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
     try:
-        while not uv.started:
-            time.sleep(0.05)
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as c:
+        with live_app(server.app) as base, openai.OpenAI(base_url=base, api_key="none", max_retries=0) as c:
             chunks = list(c.chat.completions.create(model="smollm2-135m-instruct", stream=True, max_tokens=24,
                                                     temperature=0, messages=[{"role": "user", "content": PROMPT}]))
         pieces = [ch.choices[0].delta.content for ch in chunks if ch.choices and ch.choices[0].delta.content]
@@ -149,8 +141,6 @@ def test_qladder_serve_in_front_of_a_broken_llama_server_streams_a_clean_answer(
             time.sleep(0.05)
         rows = server.store.rows(10)
     finally:
-        uv.should_exit = True
-        thread.join(30)
         server.close()
     text = "".join(pieces)
     assert not text.startswith(".") and text.strip()  # no '.' of the bad stream was forwarded

@@ -8,21 +8,20 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import dataclasses
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from qladder.model import user_prompt_ids
 from qladder.peers.llama_server import LlamaServer
-from qladder.peers.process import free_port
 from qladder.server.breaker import BreakerConfig
 from qladder.server.serve import Server, build_server
 from qladder.server.topology import PoolConfig, Topology
+
+from .conftest import live_app
 
 pytestmark = pytest.mark.slow
 PROMPT = "Name three colors."
@@ -38,17 +37,10 @@ def serving(llama_url: str, vllm_url: str, tmp_path, breaker: BreakerConfig | No
     t = dataclasses.replace(t, pools=pools, breaker=breaker or t.breaker,
                             server=dataclasses.replace(t.server, incidents=str(tmp_path / "incidents.db")))
     server = build_server(t)
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
     try:
-        while not uv.started:
-            time.sleep(0.05)
-        yield server, f"http://127.0.0.1:{port}/v1"
+        with live_app(server.app) as base:
+            yield server, base
     finally:
-        uv.should_exit = True
-        thread.join(30)
         server.close()
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
@@ -85,3 +85,18 @@ def check_tokenizer(where: str, remote_tokenize: Callable[[str], list[int]],
         if back != local:
             raise TokenizerMismatchError(
                 f"{where} detokenizes {text_ids[:12]} as {back!r}, this model as {local!r}; refusing the rung")
+
+
+def post_json(base_url: str, path: str, body: dict[str, object], timeout_s: float) -> dict[str, Any]:
+    """A blocking JSON POST to a server (start-up probes); httpx.HTTPError on a failure."""
+    r = httpx.post(f"{base_url}{path}", json=body, timeout=timeout_s)
+    r.raise_for_status()
+    out: dict[str, Any] = r.json()
+    return out
+
+
+async def check_stream_status(r: httpx.Response, server: str) -> None:
+    """RemoteStreamError unless the server answered the stream with 200 (the body says why not)."""
+    if r.status_code != 200:
+        text = (await r.aread()).decode("utf-8", "replace")[:200]
+        raise RemoteStreamError(f"{server} answered HTTP {r.status_code}: {text}")

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from qladder.engines.llamacpp import LlamaVocab
-from qladder.engines.remote import RemoteEnd, RemoteStreamError, check_tokenizer
+from qladder.engines.remote import RemoteEnd, RemoteStreamError, check_stream_status, check_tokenizer, post_json
 from qladder.errors import EngineError, TokenizerMismatchError
 from qladder.health.remote import RemoteToken
 from qladder.model import ModelInfo
@@ -59,10 +59,7 @@ class LlamaServerRung(LlamaVocab):
             raise
 
     def _post(self, timeout_s: float, path: str, body: dict[str, object]) -> dict[str, Any]:
-        r = httpx.post(f"{self.base_url}{path}", json=body, timeout=timeout_s)
-        r.raise_for_status()
-        out: dict[str, Any] = r.json()
-        return out
+        return post_json(self.base_url, path, body, timeout_s)
 
     def describe(self) -> dict[str, object]:
         return {"server": "llama-server", "url": self.base_url, "build": self.build, "model": self.server_model,
@@ -80,9 +77,7 @@ class LlamaServerRung(LlamaVocab):
                      n_remaining: int) -> AsyncIterator[RemoteToken | RemoteEnd]:
         body = self.body(ids, params, n_remaining)
         async with client.stream("POST", f"{self.base_url}/completion", json=body) as r:
-            if r.status_code != 200:
-                text = (await r.aread()).decode("utf-8", "replace")[:200]
-                raise RemoteStreamError(f"llama-server answered HTTP {r.status_code}: {text}")
+            await check_stream_status(r, "llama-server")
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue

@@ -486,6 +486,7 @@ def describe_servers(run: RemoteRun, vllm: Any, vllm_url: str) -> dict[str, Any]
 
 def assemble_remote(run: RemoteRun, memory: dict[str, float | None], servers: dict[str, Any],
                     incidents: dict[str, int | None]) -> dict[str, Any]:
+    from qladder.percentiles import percentile
     from qladder.validate.environment import cpu, load_average, versions
     from qladder.validate.stats import paired_ratio, section
 
@@ -514,6 +515,11 @@ def assemble_remote(run: RemoteRun, memory: dict[str, float | None], servers: di
         "guarded": section(guarded, None, mem_guarded),
         "latency_ratio_guarded_over_bare": ratios,
         "p99_ratio_gateway_over_bare": ratios["p99"],
+        # time to the first text a client receives (the gateway holds 7 tokens back on the INT4
+        # rung, so its per-token decode figure leaves those out: read the end-to-end rows)
+        "ttft_normal_ms": {cfg: {"p50": percentile(t, 50), "p99": percentile(t, 99)} for cfg, t in (
+            (c, [o.prefill_ms for o in outs if o.population == "normal" and o.fault == "none" and o.status == "ok"])
+            for c, outs in (("bare", bare), ("guarded", guarded)))},
         "latency_samples_normal_ms": {cfg: [o.wall_ms for o in outs if o.population == "normal"
                                             and o.fault == "none" and o.status == "ok"]
                                       for cfg, outs in (("bare", bare), ("guarded", guarded))},

@@ -362,12 +362,19 @@ def beside_table(b: dict[str, Any], r: dict[str, Any]) -> tuple[list[str], list[
 def remote_blocks(r: dict[str, Any], images: dict[str, str | None]) -> list[Block]:
     mode = "quick" if r["config"]["quick"] else "full"
     m = r["method"]
+    head, rows = main_table(r, REMOTE_LABELS)
+    t = r.get("ttft_normal_ms") or {}
+    if t:
+        rows.insert(4, ["time to first text P50 / P99, normal prompts (ms)",
+                        f"{_f(t['bare']['p50'])} / {_f(t['bare']['p99'])}",
+                        f"{_f(t['guarded']['p50'])} / {_f(t['guarded']['p99'])}",
+                        "the gateway holds 7 tokens back on the INT4 rung (the diffuse window)"])
     out: list[Block] = [
         ("h1", "qladder validate --remote: bare llama-server vs qladder serve over llama-server + vLLM"),
         ("p", f"Run mode **{mode}**, {m['prompts']['normal']} normal prompts x {m['rounds_normal']} rounds and "
               f"{m['prompts']['abnormal']} abnormal prompts, {m['clients']} clients in parallel. {m['order']}. "
               f"{m['faults_note']}. Crafted = abnormal prompts with and without a fault model."),
-        ("table", main_table(r, REMOTE_LABELS)),
+        ("table", (head, rows)),
         ("h2", "Targets"), ("table", (["target", "measured", ""], remote_verdicts(r))),
     ]
     if images.get("latency_cdf"):

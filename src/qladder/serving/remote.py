@@ -229,7 +229,10 @@ class RemotePool:
                 if self.aborts.is_aborted(m.request_id):
                     m.finish(FinishReason.ABORT)
                     return None
-                limit = max(deadline, self.config.first_token_timeout_s) if first else deadline
+                # With no rung above, a slow token has nowhere better to go: only a hung server
+                # (first_token_timeout_s of silence) ends the answer there.
+                patient = first or j + 1 >= len(m.rungs)
+                limit = max(deadline, self.config.first_token_timeout_s) if patient else deadline
                 try:  # the inter-token deadline, while the server is silent
                     item = await asyncio.wait_for(anext(items), timeout=limit + 0.05) if limit < 1e9 \
                         else await anext(items)
@@ -239,7 +242,7 @@ class RemotePool:
                                   detail=f"{rung.name} sent no token within {limit:.1f} s")
                 except StopAsyncIteration:
                     raise RemoteStreamError(f"{rung.name}'s stream ended without an end") from None
-                was_first = first
+                was_first = patient
                 if first:
                     first = False
                     self._set_healthy(j, True)
@@ -247,7 +250,7 @@ class RemotePool:
                     m.finish(FinishReason.LENGTH if item.length else FinishReason.STOP)
                     return None
                 now = self.clock()
-                took, last = (0.0 if was_first else now - last), now  # the first token's wait is the TTFT
+                took, last = (0.0 if was_first else now - last), now  # the TTFT, or the last rung's gap
                 self.steps += 1
                 t = item.token_id
                 expected = rung.detokenize_bytes([t]) if 0 <= t < rung.n_vocab else None

@@ -276,14 +276,17 @@ class Fp32Judge:
         return self._nll[key]
 
     def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """vLLM's greedy answer ([] when it cannot give one: the answer is then not the model's own)."""
         key = tuple(prompt)
         if key not in self._greedy:
-            r = httpx.post(f"{self.url}/v1/completions", timeout=300, json={
-                "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "return_token_ids": True, "skip_special_tokens": False})
-            r.raise_for_status()
-            ids = [int(t) for t in r.json()["choices"][0].get("token_ids") or []]
-            self._greedy[key] = ids
+            try:
+                r = httpx.post(f"{self.url}/v1/completions", timeout=300, json={
+                    "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "return_token_ids": True, "skip_special_tokens": False})
+                r.raise_for_status()
+                self._greedy[key] = [int(t) for t in r.json()["choices"][0].get("token_ids") or []]
+            except (httpx.HTTPError, KeyError, ValueError, TypeError, IndexError):
+                self._greedy[key] = []
         return self._greedy[key]
 
 
@@ -453,7 +456,7 @@ def judge_all(run: RemoteRun, judge: Fp32Judge, prompt_ids: Callable[[str, Promp
         if o.config == "guarded" and o.is_garbage:
             ref = judge.greedy(prompt_ids("guarded", prompts[o.prompt_id]), run.cfg.max_tokens)
             reasons = judge_text(detokenize(ref), ref, len(ref) >= run.cfg.max_tokens).reasons
-            o.model_own = bool(set(o.garbage) & set(reasons))
+            o.model_own = bool(ref) and bool(set(o.garbage) & set(reasons))
 
 
 def _count_incidents(path: Path | None) -> int | None:

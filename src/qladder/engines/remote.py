@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import httpx
 
-from qladder.errors import TokenizerMismatchError
+from qladder.engines.llamacpp import LlamaVocab
+from qladder.errors import EngineError, TokenizerMismatchError
 from qladder.health.remote import RemoteToken
+from qladder.model import ModelInfo
 from qladder.sampling import SamplingParams
 
 # Special tokens, emoji, accents, CJK, code indentation, runs of whitespace, zero-width characters.
@@ -43,7 +45,6 @@ class RemoteStreamError(Exception):
     """The server answered, but not with a usable stream (non-200, error or malformed chunk, cut short)."""
 
 
-@runtime_checkable
 class RemoteRung(Protocol):
     name: str
     base_url: str
@@ -61,11 +62,45 @@ class RemoteRung(Protocol):
         """Continue `ids` for at most `n_remaining` tokens, sampled with `params` by the server."""
         ...
 
-    def describe(self) -> dict[str, object]:
-        """What the server says of itself (version, model, flags it reports), for reports."""
-        ...
-
     def close(self) -> None: ...
+
+
+class HttpRung(LlamaVocab):
+    """What the remote rungs share: the local vocabulary (the GGUF's, `vocab_only`), then
+    `_connect` asks the server for its facts and runs the tokenizer probes. Any failure there
+    closes the vocabulary and raises EngineError naming the server; a mismatch stays a
+    TokenizerMismatchError."""
+
+    server = "a server"  # how messages name it
+    remote = True
+
+    def __init__(self, info: ModelInfo, base_url: str, n_probs: int, timeout_s: float):
+        super().__init__(info)
+        self.base_url = base_url.rstrip("/")
+        self.n_probs = n_probs
+        try:
+            self._connect(timeout_s)
+        except (httpx.HTTPError, KeyError, ValueError, IndexError, TypeError) as exc:
+            self.close()
+            raise EngineError(f"{self.server} at {self.base_url} cannot be used: {exc!r}") from exc
+        except TokenizerMismatchError:
+            self.close()
+            raise
+
+    def _connect(self, timeout_s: float) -> None:
+        raise NotImplementedError
+
+    def _post(self, timeout_s: float, path: str, body: dict[str, object]) -> dict[str, Any]:
+        return post_json(self.base_url, path, body, timeout_s)
+
+    def _check_tokenizer(self, timeout_s: float, tokenize: Callable[[str], dict[str, object]],
+                         detokenize: Callable[[list[int]], dict[str, object]], tokens_key: str,
+                         text_key: str) -> None:
+        """The probes, with the server's own /tokenize and /detokenize request bodies."""
+        check_tokenizer(f"{self.server} at {self.base_url}",
+                        lambda t: self._post(timeout_s, "/tokenize", tokenize(t))[tokens_key],
+                        lambda ids: self._post(timeout_s, "/detokenize", detokenize(ids))[text_key],
+                        self.tokenize, self.detokenize_bytes)
 
 
 def check_tokenizer(where: str, remote_tokenize: Callable[[str], list[int]],

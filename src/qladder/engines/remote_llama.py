@@ -24,46 +24,28 @@ from typing import Any
 
 import httpx
 
-from qladder.engines.llamacpp import LlamaVocab
-from qladder.engines.remote import RemoteEnd, RemoteStreamError, check_stream_status, check_tokenizer, post_json
-from qladder.errors import EngineError, TokenizerMismatchError
+from qladder.engines.remote import HttpRung, RemoteEnd, RemoteStreamError, check_stream_status
 from qladder.health.remote import RemoteToken
 from qladder.model import ModelInfo
 from qladder.sampling import SamplingParams
 
 
-class LlamaServerRung(LlamaVocab):
+class LlamaServerRung(HttpRung):
     name = "llama-server"
     precision = "llama.cpp's llama-server (remote): the GGUF's kernels, as served"
-    remote = True
+    server = "llama-server"
 
     def __init__(self, info: ModelInfo, base_url: str, n_probs: int = 4, timeout_s: float = 10.0):
-        super().__init__(info)
-        self.base_url = base_url.rstrip("/")
-        self.n_probs = n_probs
-        try:
-            props = httpx.get(f"{self.base_url}/props", timeout=timeout_s).json()
-            self.n_ctx = int(props["default_generation_settings"]["n_ctx"])
-            self.n_slots = int(props.get("total_slots", 1))
-            self.server_model = str(props.get("model_path", ""))
-            self.build = str(props.get("build_info", ""))
-            check_tokenizer(f"llama-server at {self.base_url}", lambda t: self._post(timeout_s, "/tokenize", {
-                "content": t, "parse_special": True})["tokens"],
-                lambda ids: self._post(timeout_s, "/detokenize", {"tokens": ids})["content"],
-                self.tokenize, self.detokenize_bytes)
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            self.close()
-            raise EngineError(f"llama-server at {self.base_url} cannot be used: {exc!r}") from exc
-        except TokenizerMismatchError:
-            self.close()
-            raise
+        super().__init__(info, base_url, n_probs, timeout_s)
 
-    def _post(self, timeout_s: float, path: str, body: dict[str, object]) -> dict[str, Any]:
-        return post_json(self.base_url, path, body, timeout_s)
-
-    def describe(self) -> dict[str, object]:
-        return {"server": "llama-server", "url": self.base_url, "build": self.build, "model": self.server_model,
-                "n_ctx_per_slot": self.n_ctx, "slots": self.n_slots}
+    def _connect(self, timeout_s: float) -> None:
+        props = httpx.get(f"{self.base_url}/props", timeout=timeout_s).json()
+        self.n_ctx = int(props["default_generation_settings"]["n_ctx"])
+        self.n_slots = int(props.get("total_slots", 1))
+        self.server_model = str(props.get("model_path", ""))
+        self.build = str(props.get("build_info", ""))
+        self._check_tokenizer(timeout_s, lambda t: {"content": t, "parse_special": True},
+                              lambda ids: {"tokens": ids}, "tokens", "content")
 
     def body(self, ids: list[int], params: SamplingParams, n_remaining: int) -> dict[str, object]:
         """The /completion request that continues `ids`: the server samples with the request's own

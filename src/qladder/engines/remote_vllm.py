@@ -15,55 +15,36 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 
-from qladder.engines.llamacpp import LlamaVocab
-from qladder.engines.remote import RemoteEnd, RemoteStreamError, check_stream_status, check_tokenizer, post_json
-from qladder.errors import EngineError, TokenizerMismatchError
+from qladder.engines.remote import HttpRung, RemoteEnd, RemoteStreamError, check_stream_status
 from qladder.health.remote import RemoteToken
 from qladder.model import ModelInfo
 from qladder.sampling import SamplingParams
 
 
-class VllmRung(LlamaVocab):
+class VllmRung(HttpRung):
     name = "vllm"
     precision = "vLLM's OpenAI server (remote), as served (the standby: fp32 weights)"
-    remote = True
+    server = "vLLM"
 
     def __init__(self, info: ModelInfo, base_url: str, n_slots: int = 8, n_probs: int = 4,
                  timeout_s: float = 10.0):
-        super().__init__(info)
-        self.base_url = base_url.rstrip("/")
         self.n_slots = n_slots
-        self.n_probs = n_probs
-        try:
-            models = httpx.get(f"{self.base_url}/v1/models", timeout=timeout_s).json()["data"]
-            self.model = str(models[0]["id"])
-            self.n_ctx = int(models[0]["max_model_len"])
-            self.version = str(httpx.get(f"{self.base_url}/version", timeout=timeout_s).json()["version"])
-            check_tokenizer(f"vLLM at {self.base_url}", lambda t: self._post(timeout_s, "/tokenize", {
-                "model": self.model, "prompt": t, "add_special_tokens": False})["tokens"],
-                lambda ids: self._post(timeout_s, "/detokenize", {"model": self.model, "tokens": ids})["prompt"],
-                self.tokenize, self.detokenize_bytes)
-            # vLLM 0.32's CPU build sets up its logprobs path lazily: the first request asking for
-            # them takes ~2.8 s here, then ~0.1 s. Pay it now, not on a handoff.
-            self._post(max(timeout_s, 60.0), "/v1/completions", {"model": self.model, "prompt": [min(self.eos_ids)],
-                       "max_tokens": 1, "logprobs": self.n_probs, "temperature": 0})
-        except (httpx.HTTPError, KeyError, ValueError, IndexError, TypeError) as exc:
-            self.close()
-            raise EngineError(f"vLLM at {self.base_url} cannot be used: {exc!r}") from exc
-        except TokenizerMismatchError:
-            self.close()
-            raise
+        super().__init__(info, base_url, n_probs, timeout_s)
 
-    def _post(self, timeout_s: float, path: str, body: dict[str, object]) -> dict[str, Any]:
-        return post_json(self.base_url, path, body, timeout_s)
-
-    def describe(self) -> dict[str, object]:
-        return {"server": "vllm", "url": self.base_url, "version": self.version, "model": self.model,
-                "max_model_len": self.n_ctx}
+    def _connect(self, timeout_s: float) -> None:
+        models = httpx.get(f"{self.base_url}/v1/models", timeout=timeout_s).json()["data"]
+        self.model = str(models[0]["id"])
+        self.n_ctx = int(models[0]["max_model_len"])
+        self.version = str(httpx.get(f"{self.base_url}/version", timeout=timeout_s).json()["version"])
+        self._check_tokenizer(timeout_s, lambda t: {"model": self.model, "prompt": t, "add_special_tokens": False},
+                              lambda ids: {"model": self.model, "tokens": ids}, "tokens", "prompt")
+        # vLLM 0.32's CPU build sets up its logprobs path lazily: the first request asking for
+        # them takes ~2.8 s here, then ~0.1 s. Pay it now, not on a handoff.
+        self._post(max(timeout_s, 60.0), "/v1/completions", {"model": self.model, "prompt": [min(self.eos_ids)],
+                   "max_tokens": 1, "logprobs": self.n_probs, "temperature": 0})
 
     def body(self, ids: list[int], params: SamplingParams, n_remaining: int) -> dict[str, object]:
         """The /v1/completions request that continues `ids`, sampled with the request's settings

@@ -99,10 +99,6 @@ class RemotePool:
     def standby_active(self) -> int:
         return sum(n for j, n in self._on.items() if j > 0)
 
-    @property
-    def inflight(self) -> int:
-        return self._n
-
     def submit(self, m: RequestMachine, action: Action | None = None, started: float | None = None) -> None:
         """Take over a request: a new one on rung m.rung (action None), or one moving here
         (MoveTo/Verify of a rung of this pool) since `started`. Raises QueueFullError when full."""

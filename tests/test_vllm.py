@@ -67,14 +67,15 @@ def test_the_dot_flood_of_llama_server_becomes_a_clean_answer_continued_on_vllm(
             serving(bad.base_url, vllm_server.base_url, tmp_path) as (server, base):
         ids = user_prompt_ids(model_info.chat_template, PROMPT, server.vocab.tokenize)
         straight = httpx.post(f"{bad.base_url}/completion", timeout=60,
-                              json={"prompt": ids, "n_predict": 8, "temperature": 0}).json()
+                              json={"prompt": ids, "n_predict": 8, "temperature": 0, "n_probs": 3}).json()
         reference = httpx.post(f"{vllm_server.base_url}/v1/completions", timeout=120, json={
             "model": "fp32", "prompt": ids, "max_tokens": 24, "temperature": 0}).json()["choices"][0]["text"]
         text, ext, _ = _stream(base, PROMPT, 24)
         assert _wait(lambda: server.store.count() >= 1, 10)
         rows = server.store.rows(10)
     assert straight["content"] == "." * 8  # the garbage a client of the bare server gets, with 200 OK
-    assert all(p["logprob"] is None for p in straight.get("completion_probabilities", [])) or "." * 8
+    probs = straight["completion_probabilities"]
+    assert len(probs) == 8 and all(p["logprob"] is None for p in probs)  # and nothing in it says so
     assert [(h["check"], h["rung"], h["step"]) for h in ext["hazards"]] == [("nonfinite", "llama-server", 0)]
     assert ext["handoffs"][0]["from_rung"] == "llama-server" and ext["handoffs"][0]["to_rung"] == "vllm"
     assert set(ext["tokens_per_rung"]) == {"vllm"} and not ext["fallback"]

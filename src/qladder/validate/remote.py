@@ -327,7 +327,7 @@ def validate_remote(cfg: RemoteValidateConfig, out_dir: Path, show_progress: boo
     from qladder.prepare import Preparer
     from qladder.validate.corpora import load_corpora, subset
     from qladder.validate.report import write_remote_report
-    from qladder.validate.runner import Progress
+    from qladder.validate.runner import Progress, write_outputs
 
     t_start = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -432,9 +432,7 @@ def validate_remote(cfg: RemoteValidateConfig, out_dir: Path, show_progress: boo
     results["phase_durations_s"] = progress.durations
     if beside is not None and beside.is_file():
         results["beside_in_process"] = _beside(json.loads(beside.read_text(encoding="utf-8")), str(beside))
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False, default=str))
-    (out_dir / "outcomes.jsonl").write_text("".join(json.dumps(o.to_dict(), ensure_ascii=False) + "\n"
-                                                    for o in run.outcomes))
+    write_outputs(out_dir, results, run.outcomes)
     write_remote_report(results, out_dir)
     log(f"wrote {out_dir / 'results.json'}, report.md, report.html")
     return results

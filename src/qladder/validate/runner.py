@@ -507,12 +507,17 @@ def validate(cfg: ValidateConfig, out_dir: Path, show_progress: bool = True,
             shutil.rmtree(folder, ignore_errors=True)
     results["elapsed_s"] = time.perf_counter() - t_start
     results["phase_durations_s"] = progress.durations
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False, default=str))
-    (out_dir / "outcomes.jsonl").write_text("".join(json.dumps(o.to_dict(), ensure_ascii=False) + "\n"
-                                                    for o in run.outcomes))
+    write_outputs(out_dir, results, run.outcomes)
     write_report(results, out_dir)
     log(f"wrote {out_dir / 'results.json'}, report.md, report.html")
     return results
+
+
+def write_outputs(out_dir: Path, results: dict[str, Any], outcomes: Sequence[Outcome]) -> None:
+    """results.json, and outcomes.jsonl (every request, one a line), of either validation run."""
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False, default=str))
+    (out_dir / "outcomes.jsonl").write_text("".join(json.dumps(o.to_dict(), ensure_ascii=False) + "\n"
+                                                    for o in outcomes))
 
 
 def assemble(run: Run, env: dict[str, Any], agree: dict[str, Any], bounds: dict[str, Any],

@@ -161,11 +161,12 @@ class StandbyPool:
         if j not in self.engines:  # a rung on another pool (a remote server)
             self._close(t)
             try:
-                if self.forward is None:
-                    raise QueueFullError(f"rung {j} has no pool")
-                self.forward(m, action, t.started)
-            except QueueFullError:  # nothing is lost: the request ends with the explicit fallback
-                m.finish(FinishReason.DEGRADED, fallback=True)
+                if self.forward is not None:
+                    self.forward(m, action, t.started)
+                    return True
+            except QueueFullError:
+                pass
+            m.finish(FinishReason.DEGRADED, fallback=True)  # nothing is lost: the explicit fallback
             return True
         engine = self.engines[j]
         same = t.session is not None and m.rung == j  # opened by a Verify on this rung already

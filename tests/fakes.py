@@ -53,9 +53,9 @@ class FakeClient:
 
     def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                 request_id: str | None = None, faults: Sequence[Fault] = (), prompt_text: str | None = None,
-                ladder: LadderConfig | None = None, start_rung: int = 0) -> Request:
+                ladder: LadderConfig | None = None, start_rung: int = 0, flagged: bool = False) -> Request:
         return Request(request_id or uuid.uuid4().hex[:16], tuple(prompt_ids), params or SamplingParams(),
-                       tuple(faults), prompt_text, ladder, start_rung)
+                       tuple(faults), prompt_text, ladder, start_rung, flagged)
 
     def add_observer(self, observe: Callable[[Event], None]) -> None:
         self.observers.append(observe)

@@ -314,3 +314,72 @@ def test_a_remote_rung_holds_a_window_back_and_a_diffused_one_is_rolled_back_who
     assert isinstance(m.on_hazard(h, None), MoveTo)
     assert m.accepted == [10, 11, 12, 13] and m.context == [1, 2, 3, 10, 11, 12, 13]  # only what was shown
     assert m.token_rungs == ["llama-server"] * 4
+
+
+def test_check_draft_refuses_the_first_token_the_standby_finds_far_less_likely():
+    from qladder.health.remote import check_draft
+
+    draft, own = [5, 6, 7, 8], [-0.1, -0.5, -0.2, -0.3]
+    assert check_draft(draft, own, [-0.3, -2.0, -4.0, -1.0], "llama-server", "vllm", 8.0) is None  # differs, plausibly
+    h = check_draft(draft, own, [-0.3, -12.0, -15.0, -1.0], "llama-server", "vllm", 8.0, start=3)
+    assert h is not None and h.check == "verify" and h.step == 3 + 1 and h.value == -0.5 + 12.0
+    # a rare token the rung itself drew as rare (sampling) is not refused: the gap is relative
+    assert check_draft([9], [-9.0], [-11.0], "llama-server", "vllm", 8.0) is None
+    assert check_draft([9], [-0.1], [float("nan")], "llama-server", "vllm", 8.0) is None  # the standby said nothing
+    assert check_draft([9], [-0.1], [-9999.0], "llama-server", "vllm", 8.0) is not None  # vLLM's -inf clamp
+
+
+def _draft_machine(max_tokens: int = 16):
+    from qladder.machine import LadderConfig, Request, RequestMachine
+    from qladder.sampling import SamplingParams
+
+    events = []
+    cfg = LadderConfig(guard=GuardConfig(diffuse_window=4, diffuse_logprob=-2.0))
+    m = RequestMachine(Request("r", (1, 2, 3), SamplingParams(max_tokens=max_tokens)), ["llama-server", "vllm"],
+                       [512, 512], frozenset({0}), lambda ids: b"".join(b"%d " % i for i in ids), cfg,
+                       StepGuard(cfg.guard), emit=events.append)
+    m.hold_for_remote()
+    m.await_draft_check(5)
+    return m, events
+
+
+def _feed(m, tokens):
+    from qladder.health.remote import RemoteToken
+
+    action = None
+    for t in tokens:
+        assert m.judge_remote(RemoteToken(t, -0.1, None, ((t, -0.1),)), 0.01, 49152, None) is None
+        action = m.accept_token(t)
+    return action
+
+
+def test_a_draft_awaiting_the_standby_is_held_whole_and_a_refusal_keeps_the_tokens_before_it():
+    from qladder.machine import MoveTo
+    from qladder.types import Hazard, TokenEvent
+
+    m, events = _draft_machine()
+    _feed(m, [10, 11, 12, 13, 14])  # the pool checks the draft here, at 5 tokens
+    assert m.unchecked and m.stream.released == 0 and not [e for e in events if isinstance(e, TokenEvent)]
+    assert m.drawn == [-0.1] * 5
+    action = m.on_hazard(Hazard("verify", "llama-server", 2, 12.0, 8.0), None)
+    assert isinstance(action, MoveTo) and action.rung == 1
+    assert m.context == [1, 2, 3, 10, 11] and not m.unchecked  # the standby continues after the passed ones
+
+
+def test_a_passed_draft_is_released_as_a_remote_rung_releases_and_an_early_end_waits_for_the_check():
+    from qladder.machine import Confirm
+    from qladder.types import FinishReason, TokenEvent
+
+    m, events = _draft_machine()
+    _feed(m, [10, 11, 12, 13, 14])
+    m.draft_checked()
+    assert not m.unchecked and m.stream.hold == 3 and m.stream.released == 2
+    assert [e.token_ids for e in events if isinstance(e, TokenEvent)] == [[10, 11]]
+
+    short, _ = _draft_machine(max_tokens=3)
+    action = _feed(short, [10, 11, 12])  # the length ends it inside the draft: the check comes first
+    assert isinstance(action, Confirm) and action.reason is FinishReason.LENGTH and short.done is None
+    eos = _feed(_draft_machine()[0], [10, 0])
+    assert isinstance(eos, Confirm) and eos.reason is FinishReason.STOP
+    short.draft_checked()
+    assert short.finish(action.reason).token_ids == [10, 11, 12]

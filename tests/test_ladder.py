@@ -391,6 +391,7 @@ def test_glitch_token_embeddings_in_an_untied_gguf_copy(tmp_path):
     pieces = fp32.tokenizer.convert_ids_to_tokens(list(range(fp32.n_vocab)))
     glitch = set(byte_fallback_tokens(pieces))
     assert len(glitch) == 137 and int4.tokenize("\u00e9", False)[0] not in glitch
+    assert int4.lone_byte_ids == glitch  # the set the remote guard flags a prompt by (LlamaVocabMixin)
     prompt = _chat(int4, "Describe \U0001f469\u200d\U0001f469\u200d\U0001f467\u200d\U0001f466 and "
                          "\U0001f3f3\ufe0f\u200d\U0001f308 in one sentence.")
     assert glitch & set(prompt)

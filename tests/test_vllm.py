@@ -20,6 +20,7 @@ from qladder.peers.llama_server import LlamaServer
 from qladder.server.breaker import BreakerConfig
 from qladder.server.serve import Server, build_server
 from qladder.server.topology import PoolConfig, Topology
+from qladder.validate.corpora import load_corpora
 
 from .conftest import live_app
 
@@ -116,3 +117,38 @@ def test_a_killed_llama_server_ends_on_vllm_opens_the_breaker_and_half_open_prob
     assert all(set(ext["tokens_per_rung"]) == {"llama-server"} for _, ext, _ in after[:breaker.probes])
     for to in ("open", "half_open", "closed"):
         assert f'qladder_breaker_transitions_total{{pool="edge",to="{to}"}}' in metrics
+
+
+def test_glitch_tokens_first_tokens_are_refused_by_vllm_and_the_answer_continues_there(
+        model_info, vllm_server, tmp_path):
+    """On the glitch-token copy an emoji prompt answers 'This\n&&&&...' with confident logprobs: no
+    check of the stream says so until the loop is long. vLLM scores the held draft (one prefill);
+    the first token it finds far less likely is refused, and the answer continues on vLLM from
+    the tokens before it. Nothing refused is forwarded."""
+    from qladder.faults import glitch_gguf
+
+    emoji = next(p.prompt for p in load_corpora()[1] if p.id == "a-emoji_zwj-001")  # a ZWJ chain
+    bad = tmp_path / "glitch.gguf"
+    glitch_gguf(model_info.path, bad, x=1000.0)
+    with LlamaServer(bad, n_parallel=2, threads=1, n_ctx_per_slot=1024) as ls, \
+            serving(ls.base_url, vllm_server.base_url, tmp_path) as (server, base):
+        ids = server.gateway.preparer.encode_messages([{"role": "user", "content": emoji}], 24)[0]
+        straight = httpx.post(f"{ls.base_url}/completion", timeout=60, json={  # a fresh evaluation, as the
+            "prompt": ids, "n_predict": 16, "temperature": 0, "return_tokens": True, "cache_prompt": False})
+        straight = straight.json()  # gateway's first request is (x1000 embeddings make near-ties flip)
+        text, ext, _ = _stream(base, emoji, 24)
+        draft = [int(t) for t in straight["tokens"]]
+        refused = ext["hazards"][0]
+        kept = draft[:refused["step"]]
+        reference = httpx.post(f"{vllm_server.base_url}/v1/completions", timeout=120, json={
+            "model": "fp32", "prompt": ids + kept, "max_tokens": 24 - len(kept), "temperature": 0,
+            "return_token_ids": True, "skip_special_tokens": False}).json()["choices"][0]
+        stats = server.engine.stats()
+    assert "&&&&" in server.vocab.detokenize(draft)  # the bare server's answer: a flood of '&'
+    assert (refused["check"], refused["rung"]) == ("verify", "llama-server") and refused["step"] < 8
+    assert ext["handoffs"][0]["to_rung"] == "vllm" and not ext["fallback"]
+    assert ext["tokens_per_rung"].get("llama-server", 0) == len(kept)
+    theirs = [t for t in reference["token_ids"] if t not in server.vocab.eos_ids]
+    # nothing refused was forwarded (and a trailing partial character never is)
+    assert text == server.vocab.detokenize(kept + theirs).removesuffix("\ufffd")
+    assert stats["drafts_refused"] == 1 and stats["drafts_passed"] == 0

@@ -253,9 +253,10 @@ def byte_fallback_tokens(pieces: Sequence[str]) -> list[int]:
     continuation bytes (>= 0x80, left over when rare Unicode such as emoji ZWJ sequences has no
     merge) and C0 controls other than tab, newline and carriage return. These are the
     under-trained tokens of byte-level vocabularies."""
+    from qladder.engines.llamacpp import RARE_BYTES
+
     table = byte_level_table()
-    rare = {b for b in range(256) if b >= 0x80 or (b < 0x20 and b not in (9, 10, 13)) or b == 0x7F}
-    return [i for i, p in enumerate(pieces) if p in table and table[p] in rare]
+    return [i for i, p in enumerate(pieces) if p in table and table[p] in RARE_BYTES]
 
 
 def glitch_gguf(src: Path, dst: Path, x: float = 1000.0, tokens: Sequence[int] | None = None

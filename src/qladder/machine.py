@@ -72,6 +72,7 @@ class Request:
     prompt_text: str | None = None
     ladder: LadderConfig | None = None  # operator-only override of the engine's guard and policy
     start_rung: int = 0  # a router's choice: 1.. starts on the standby (a quarantined prompt, an open breaker)
+    flagged: bool = False  # the input defence changed the prompt: its answer's first tokens are checked
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,15 @@ class Done:
     result: GenerationResult
 
 
-Action = Continue | MoveTo | Verify | Done
+@dataclass(frozen=True)
+class Confirm:
+    """The answer would end (EOS or length) while its first tokens await the standby's check
+    (`await_draft_check`, remote pool only): the driver checks them, then `finish(reason)`."""
+
+    reason: FinishReason
+
+
+Action = Continue | MoveTo | Verify | Done | Confirm
 
 
 class RequestMachine:
@@ -133,6 +142,8 @@ class RequestMachine:
         self.step_ms: list[float] = []
         self.last_accept: float | None = None
         self.top1: list[float] = []  # the current remote rung's top-1 logprobs (its `diffuse` check)
+        self.drawn: list[float] = []  # its logprobs of the tokens it drew (the standby's `verify` check)
+        self.unchecked = False  # the answer's first tokens await the standby's check: none released
         self.pending_hazard: Hazard | None = None  # the repetition hazard awaiting verification
         self.pending_row_argmax: int | None = None
         self.done: GenerationResult | None = None
@@ -212,8 +223,11 @@ class RequestMachine:
         hazard = check_remote(self.guard, tok, self.stream.ids, name, n_vocab, expected_bytes, self.top1,
                               self.rung + 1 < len(self.rungs))
         if hazard is None:
-            finite = [v for v in (tok.logprob, *(v for _, v in tok.top)) if v is not None]
-            self.top1.append(max(finite))
+            finite = [v for v in (tok.logprob, *(v for _, v in tok.top)) if v is not None and math.isfinite(v)]
+            best = max(finite, default=float("nan"))
+            self.top1.append(best)
+            own = tok.logprob
+            self.drawn.append(own if own is not None and math.isfinite(own) else best)
         return hazard
 
     def hold_for_remote(self) -> None:
@@ -222,6 +236,18 @@ class RequestMachine:
         g = self.config.guard
         climb = self.rung + 1 < len(self.rungs)
         self.stream.hold = g.diffuse_window - 1 if climb and g.check_logits and g.diffuse_logprob is not None else 0
+
+    def await_draft_check(self, n: int) -> None:
+        """The remote pool will have this rung's first `n` tokens checked by the rung above before
+        any is released (`check_draft`): hold them all until `draft_checked`."""
+        self.unchecked = True
+        self.stream.hold = max(self.stream.hold, n)
+
+    def draft_checked(self) -> None:
+        """The standby passed the draft (or could not say): release as a remote rung does."""
+        self.unchecked = False
+        self.hold_for_remote()
+        self.release()
 
     def accept_token(self, token: int, logprob: TokenLogprob | None = None) -> Action:
         """A healthy token a remote rung sampled: accept it (no row here: the server sampled)."""
@@ -241,7 +267,7 @@ class RequestMachine:
             self.timings.setdefault("prefill_ms", self.timings["ttft_ms"])
         self.close_handoff(now)
         if token in self.eos_ids and not self.params.ignore_eos:
-            return Done(self.finish(FinishReason.STOP))
+            return self._end(FinishReason.STOP)
         if self.last_accept is not None:
             self.step_ms.append((now - self.last_accept) * 1e3)
         self.last_accept = now
@@ -254,11 +280,17 @@ class RequestMachine:
         if self.stream.stopped_at is not None:
             return Done(self.finish(FinishReason.STOP))
         if self.step >= self.params.max_tokens or len(self.context) >= self.n_ctx[self.rung]:
-            return Done(self.finish(FinishReason.LENGTH))
+            return self._end(FinishReason.LENGTH)
         action = self.config.policy.on_token(self.rung, self.streak, len(self.handoffs))
         if isinstance(action, HandoffAction):
             return MoveTo(action.to, poisoned=False)
         return Continue()
+
+    def _end(self, reason: FinishReason) -> Action:
+        """The answer ends here, unless its first tokens still await the standby's check."""
+        if self.unchecked:
+            return Confirm(reason)
+        return Done(self.finish(reason))
 
     def release(self, final: bool = False) -> None:
         start = self.stream.released
@@ -271,8 +303,11 @@ class RequestMachine:
     def on_hazard(self, hazard: Hazard, row: torch.Tensor | None) -> Action:
         """Drop the step; record the hazard; ask the policy (a repetition first asks the next rung)."""
         self.close_handoff(self.clock())  # a handoff whose new rung failed before its first token
-        if hazard.check == "diffuse":  # the whole window is suspect: roll back what was held
+        if hazard.check == "verify":  # the standby refused token `step`: continue from the ones before it
+            self.rollback_unreleased(hazard.step)
+        elif hazard.check == "diffuse" or self.unchecked:  # suspect, or never checked: roll back what was held
             self.rollback_unreleased()
+        self.unchecked = False
         self.hazards.append(hazard)
         self.emit(HazardEvent(self.request_id, hazard))
         self.streak = 0
@@ -300,9 +335,10 @@ class RequestMachine:
             return Done(self.finish(action.reason, fallback=action.fallback))
         return MoveTo(action.to, poisoned=True)
 
-    def rollback_unreleased(self) -> None:
-        """Forget the accepted tokens not yet released (the next rung continues from the rest)."""
-        keep = self.stream.released
+    def rollback_unreleased(self, keep: int = 0) -> None:
+        """Forget the accepted tokens past `keep` not yet released (the next rung continues from
+        the rest)."""
+        keep = max(keep, self.stream.released)
         self.stream.truncate(keep)
         del self.token_rungs[keep:]
         if self.logprobs is not None:
@@ -313,6 +349,8 @@ class RequestMachine:
         self.handoff_started = (started, self.rungs[self.rung], to, caught, warm)
         self.rung, self.streak = to, 0
         self.top1.clear()
+        self.drawn.clear()
+        self.unchecked = False
         self.stream.hold = 0
 
     def close_handoff(self, now: float) -> None:

@@ -26,6 +26,12 @@ from qladder.engines.monitor import ActivationMonitor
 from qladder.errors import EngineError, InputError, ModelError
 from qladder.model import ModelInfo
 
+# Bytes that ordinary text never produces alone: UTF-8 lead and continuation bytes (>= 0x80, left
+# over when rare Unicode such as an emoji ZWJ sequence has no merge), C0 controls other than tab,
+# newline and carriage return, and DEL. Their single-byte tokens are a byte-level vocabulary's
+# under-trained ones.
+RARE_BYTES = frozenset(b for b in range(256) if b >= 0x7F or (b < 0x20 and b not in (9, 10, 13)))
+
 
 class LlamaVocabMixin:
     """Tokenizer of a llama-cpp-python model (`self.llm`), shared by the int4 engines."""
@@ -38,6 +44,7 @@ class LlamaVocabMixin:
     _vocab: object
     _fingerprint: str | None
     _pieces: list[bytes] | None = None
+    _lone: frozenset[int] | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -70,6 +77,15 @@ class LlamaVocabMixin:
             self._pieces = [body([i]) for i in range(self.n_vocab)]
         pieces = self._pieces
         return b"".join(pieces[t] for t in token_ids if t not in self.eos_ids)
+
+    @property
+    def lone_byte_ids(self) -> frozenset[int]:
+        """Ids of the single-byte tokens of RARE_BYTES (the byte-fallback tokens)."""
+        if self._lone is None:
+            self.detokenize_bytes([])
+            assert self._pieces is not None
+            self._lone = frozenset(i for i, p in enumerate(self._pieces) if len(p) == 1 and p[0] in RARE_BYTES)
+        return self._lone
 
 
 class LlamaCppEngine(LlamaVocabMixin):

@@ -54,12 +54,21 @@ class RemoteRung(Protocol):
     n_vocab: int
     eos_ids: frozenset[int]
     fingerprint: str  # the local vocabulary's: the probe check at start-up vouches for the server's
+    can_score: bool  # `score` works: the rung can check the draft of the rung below (vLLM)
+
+    @property
+    def lone_byte_ids(self) -> frozenset[int]: ...  # the vocabulary's byte-fallback tokens
 
     def detokenize_bytes(self, token_ids: Sequence[int]) -> bytes: ...
 
     def stream(self, client: httpx.AsyncClient, ids: list[int], params: SamplingParams,
                n_remaining: int) -> AsyncIterator[RemoteToken | RemoteEnd]:
         """Continue `ids` for at most `n_remaining` tokens, sampled with `params` by the server."""
+        ...
+
+    async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[float]:
+        """This model's logprob of each draft token after `prompt` and the draft tokens before it
+        (one prefill)."""
         ...
 
     def close(self) -> None: ...
@@ -73,6 +82,7 @@ class HttpRung(LlamaVocab):
 
     server = "a server"  # how messages name it
     remote = True
+    can_score = False
 
     def __init__(self, info: ModelInfo, base_url: str, n_probs: int, timeout_s: float):
         super().__init__(info)
@@ -89,6 +99,9 @@ class HttpRung(LlamaVocab):
 
     def _connect(self, timeout_s: float) -> None:
         raise NotImplementedError
+
+    async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[float]:
+        raise NotImplementedError(f"{self.server} cannot score a draft")
 
     def _post(self, timeout_s: float, path: str, body: dict[str, object]) -> dict[str, Any]:
         return post_json(self.base_url, path, body, timeout_s)

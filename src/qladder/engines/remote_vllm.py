@@ -25,6 +25,7 @@ from qladder.sampling import SamplingParams
 
 
 class VllmRung(HttpRung):
+    can_score = True
     name = "vllm"
     precision = "vLLM's OpenAI server (remote), as served (the standby: fp32 weights)"
     server = "vLLM"
@@ -85,6 +86,20 @@ class VllmRung(HttpRung):
                     yield RemoteEnd(length=choice["finish_reason"] == "length")
                     return
         raise RemoteStreamError("vLLM's stream ended before a finish_reason")
+
+
+    async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[float]:
+        """`prompt_logprobs` of prompt + draft, one prefill (the one token it also generates is unused)."""
+        body = {"model": self.model, "prompt": prompt + draft, "max_tokens": 1, "temperature": 0,
+                "prompt_logprobs": 0}
+        r = await client.post(f"{self.base_url}/v1/completions", json=body)
+        if r.status_code != 200:
+            raise RemoteStreamError(f"vLLM answered HTTP {r.status_code}: {r.text[:200]}")
+        try:
+            rows = r.json()["choices"][0]["prompt_logprobs"][len(prompt):]
+            return [float(row[str(t)]["logprob"]) for row, t in zip(rows, draft, strict=True)]
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise RemoteStreamError(f"vLLM's prompt_logprobs are malformed: {exc!r}") from exc
 
 
 def _top(d: dict[str, float | None] | None) -> tuple[tuple[int, float | None], ...]:

@@ -90,6 +90,19 @@ class GuardConfig:
     # The answer's first 2..window-1 tokens (judged before the first full window): their mean
     # under this bound. Clean answers reach -2.35 there, a corrupted scale's mostly under -2.5.
     diffuse_first_logprob: float = -2.5
+    # A remote rung's first `verify_tokens` are scored by the rung above (where it can: vLLM) before
+    # any is released; a token the standby finds over e^verify_gap times less likely than the rung
+    # that drew it is refused (health/remote.check_draft; bench/calibrate_verify.py: clean greedy
+    # answers' largest gap p90 0.24 nats, a corrupted scale's or glitch tokens' smallest 6.4). 0: off.
+    verify_tokens: int = 8
+    verify_gap: float = 5.0
+    # vLLM (0.32, CPU) scores a prompt without its prefix cache, at a cost that grows with it: 0.19 s
+    # at 40 tokens, 0.7 s at 200, 2.9 s at 800, 8.9 s at 1,900 here. Longer prompts go unchecked.
+    verify_max_context: int = 512
+    # Which drafts are scored: those of a flagged input (the input defence changed it, or it holds
+    # byte-fallback tokens), and those whose mean logprob on their own rung is under this bound
+    # (the rung was unsure); the rest are released unscored. None: score every draft.
+    verify_suspect_logprob: float | None = -1.25
 
 
 GUARD_PRESETS: dict[str, GuardConfig] = {

@@ -17,6 +17,12 @@ are those the stream allows, before the token is forwarded:
   under `diffuse_first_logprob`. Only where a higher rung exists to take over: a soft signal
   (bench/calibrate_diffuse.py).
 - repetition: the accepted ids loop (the in-process guard's own rule, `StepGuard.check_repetition`).
+- verify (`check_draft`): the answer's first `verify_tokens` are scored by the rung above (the
+  full-precision standby, in one prefill) before any is released; the first token the standby
+  finds more than e^`verify_gap` times less likely than the rung that drew it is refused, and the
+  answer continues from the tokens before it on the standby. The way speculative decoding checks
+  a draft, with a tolerance: an INT4 rung's clean answers differ from fp32's, a corrupted one's
+  are tokens fp32 would not say (bench/calibrate_verify.py).
 The driver adds `deadline` (an inter-token gap past `step_deadline_s`) and `engine_error` (a
 dropped connection, a 5xx, a malformed chunk).
 """
@@ -77,3 +83,18 @@ def check_remote(guard: StepGuard, tok: RemoteToken, generated: Sequence[int], r
                 return Hazard("diffuse", rung, step, mean, bound,
                               detail=f"the top-1 logprob averaged {mean:.2f} over the last {len(recent)} tokens")
     return guard.check_repetition(generated, rung)  # as in-process: the loop in the ids accepted so far
+
+
+def check_draft(draft: Sequence[int], own: Sequence[float], standby: Sequence[float], rung: str, by: str,
+                gap: float, start: int = 0) -> Hazard | None:
+    """The first draft token (the answer's tokens from index `start`) whose logprob under the
+    standby (`by`) is more than `gap` nats under its logprob on the rung that drew it (`own`);
+    None when every one passes. A NaN from the standby says nothing (passes); its -inf (or
+    vLLM's -9999.0 clamp) refuses."""
+    for i, (t, lq, lp) in enumerate(zip(draft, own, standby, strict=True)):
+        if math.isnan(lp) or not math.isfinite(lq):
+            continue
+        if lq - lp > gap:
+            return Hazard("verify", rung, start + i, lq - lp, gap,
+                          detail=f"{by} gives token {t} a logprob of {lp:.2f}, against {lq:.2f} on {rung}")
+    return None

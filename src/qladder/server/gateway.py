@@ -153,7 +153,8 @@ class Gateway:
         route = self.router.route(fp, standby_free=free, down=down)
         rid = uuid.uuid4().hex[:24]
         req = self.client.request(p.prompt_ids, p.params, request_id=rid, faults=p.faults,
-                                  prompt_text=p.prompt_text, start_rung=route.start_rung)
+                                  prompt_text=p.prompt_text, start_rung=route.start_rung,
+                                  flagged=any(r.changed for r in p.reports))
         with self._routes_lock:
             self._routes[rid] = (route, fp, False)
         self.metrics.routes.labels(route.pool, route.reason.split(":")[0]).inc()

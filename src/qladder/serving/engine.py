@@ -59,7 +59,7 @@ class EngineClient(Protocol):
 
     def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                 request_id: str | None = None, faults: Sequence[Fault] = (), prompt_text: str | None = None,
-                ladder: LadderConfig | None = None, start_rung: int = 0) -> Request:
+                ladder: LadderConfig | None = None, start_rung: int = 0, flagged: bool = False) -> Request:
         """A Request for this engine; nothing is submitted yet."""
         ...
 
@@ -218,10 +218,10 @@ class ServingEngine:
 
     def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                 request_id: str | None = None, faults: Sequence[Fault] = (), prompt_text: str | None = None,
-                ladder: LadderConfig | None = None, start_rung: int = 0) -> Request:
+                ladder: LadderConfig | None = None, start_rung: int = 0, flagged: bool = False) -> Request:
         """A Request with a fresh id (token ids already sanitized and templated)."""
         return Request(request_id or uuid.uuid4().hex[:16], tuple(int(t) for t in prompt_ids),
-                       params or SamplingParams(), tuple(faults), prompt_text, ladder, start_rung)
+                       params or SamplingParams(), tuple(faults), prompt_text, ladder, start_rung, flagged)
 
     def _check(self, r: Request) -> None:
         if r.faults and not self.config.allow_faults:
@@ -353,7 +353,9 @@ class ServingEngine:
                 "prefix_hits": self.scheduler.prefix_hits,
                 "standby_depth": self.standby.depth if self.standby else 0,
                 "standby_active": (self.standby.active if self.standby else 0)
-                + (self.remote.standby_active if self.remote else 0), "live": self.aborts.live}
+                + (self.remote.standby_active if self.remote else 0), "live": self.aborts.live,
+                # answers whose first tokens the remote standby checked, refused, or could not check
+                **({f"drafts_{k}": v for k, v in self.remote.checks.items()} if self.remote else {})}
 
     def close(self) -> None:
         """Stop the threads and free the engines; raises EngineDeadError if a serving thread hit

@@ -13,6 +13,9 @@ remote rung (a `RequestMachine` is handed to the loop by `submit`, and away from
                  this pool if it is remote too, else `forward`ed (the in-process standby)
     a dropped connection, a 5xx, a malformed chunk or a gap past the deadline is a hazard too
     Verify(j) (a loop seen on an in-process rung): one greedy token from rung j decides
+    the answer's first tokens, where the rung above can score (vLLM): held, then scored there in
+       one prefill before any is released (`check_draft`); a refused token moves the answer to
+       that rung from the tokens before it, as speculative decoding rejects a draft
 
 As rung 0 the pool has the INT4 scheduler's interface (submit, resubmit, healthy, stats), so
 ServingEngine drives either. While a rung's server is unreachable the rung is unhealthy (for
@@ -33,8 +36,8 @@ import httpx
 
 from qladder.engines.remote import RemoteEnd, RemoteRung, RemoteStreamError
 from qladder.errors import EngineDeadError, QueueFullError
-from qladder.health.remote import RemoteToken
-from qladder.machine import Action, Done, MoveTo, RequestMachine, Verify
+from qladder.health.remote import RemoteToken, check_draft
+from qladder.machine import Action, Confirm, Done, MoveTo, RequestMachine, Verify
 from qladder.sampling import SamplingParams, TokenLogprob
 from qladder.serving.aborts import AbortRegistry
 from qladder.types import FinishReason, Hazard
@@ -52,6 +55,9 @@ class RemoteConfig:
     # The wait for a stream's first token covers the server's queue and the prefill, not one
     # decode step: the guard's step deadline applies from the second token on.
     first_token_timeout_s: float = 30.0
+    # The standby's check of an answer's first tokens: past this, they are released unchecked
+    # (counted in `unchecked`), never held back for a slow standby.
+    check_timeout_s: float = 5.0
 
 
 class RemotePool:
@@ -68,6 +74,10 @@ class RemotePool:
         self.steps = 0  # tokens judged
         self.stalls = 0  # deadline hazards
         self.prefix_hits = 0
+        # answers' first tokens the standby scored (passed, refused, could not say), released unscored
+        # (a confident draft of an unflagged input), or not held (a prompt over
+        # `verify_max_context`); written by the loop thread
+        self.checks = {"passed": 0, "refused": 0, "unchecked": 0, "confident": 0, "skipped": 0}
         self.bugs: list[BaseException] = []
         self._n = 0
         self._on: dict[int, int] = dict.fromkeys(self.rungs, 0)  # requests streaming per rung (loop thread)
@@ -217,6 +227,9 @@ class RemotePool:
         Hazard (the stream is closed on return: the server stops this request); or a policy move."""
         deadline = m.config.guard.step_deadline_s
         m.hold_for_remote()
+        n_check = self._draft_size(m, j)
+        if n_check:
+            m.await_draft_check(n_check)
         stream = rung.stream(self._client, m.context, m.params, max(1, m.params.max_tokens - m.step))  # type: ignore[arg-type]
         async with contextlib.aclosing(stream) as items:
             last = self.clock()
@@ -243,6 +256,8 @@ class RemotePool:
                     first = False
                     self._set_healthy(j, True)
                 if isinstance(item, RemoteEnd):
+                    if m.unchecked and (refused := await self._check_draft(m, j)) is not None:
+                        return refused
                     m.finish(FinishReason.LENGTH if item.length else FinishReason.STOP)
                     return None
                 now = self.clock()
@@ -257,10 +272,59 @@ class RemotePool:
                     return hazard
                 lp = _logprob(item, m.params.logprobs) if m.logprobs is not None else None
                 action = m.accept_token(t, lp)
+                check = m.unchecked and (isinstance(action, Confirm | MoveTo | Verify) or m.step >= n_check)
+                if check and (refused := await self._check_draft(m, j)) is not None:
+                    return refused
+                if isinstance(action, Confirm):
+                    m.finish(action.reason)
+                    return None
                 if isinstance(action, Done):
                     return None
                 if isinstance(action, (MoveTo, Verify)):  # a policy move (not a hazard)
                     return action
+
+    def _draft_size(self, m: RequestMachine, j: int) -> int:
+        """How many first tokens of this answer on rung j the rung above checks (0: none)."""
+        g = m.config.guard
+        above = self.rungs.get(j + 1)
+        if (not g.check_logits or g.verify_tokens <= 0 or m.step > 0 or above is None
+                or not above.can_score or not self.health[j + 1]):
+            return 0
+        if len(m.prompt) > g.verify_max_context:
+            self.checks["skipped"] += 1
+            return 0
+        return g.verify_tokens
+
+    async def _check_draft(self, m: RequestMachine, j: int) -> Hazard | None:
+        """Score the held draft on rung j + 1 (one prefill); the refusal, or None (released)."""
+        assert self._client is not None
+        above, draft, g = self.rungs[j + 1], m.accepted, m.config.guard
+        own = m.drawn[:len(draft)]
+        if not self._suspect(m, j, own):
+            self.checks["confident"] += 1
+            m.draft_checked()
+            return None
+        try:
+            lps = await asyncio.wait_for(above.score(self._client, m.prompt, draft), self.config.check_timeout_s)
+        except (RemoteStreamError, httpx.HTTPError, TimeoutError) as exc:
+            _log.warning("request %s: %s could not check its draft (%r); released unchecked",
+                         m.request_id, above.name, exc)
+            self.checks["unchecked"] += 1
+            m.draft_checked()
+            return None
+        refused = check_draft(draft, own, lps, m.rungs[m.rung], above.name, g.verify_gap)
+        self.checks["refused" if refused else "passed"] += 1
+        if refused is None:
+            m.draft_checked()
+        return refused
+
+    def _suspect(self, m: RequestMachine, j: int, own: list[float]) -> bool:
+        """Whether a draft is worth the standby's prefill: a flagged input, or an unsure rung."""
+        bound = m.config.guard.verify_suspect_logprob
+        if bound is None or m.req.flagged or not own:
+            return True
+        lone = self.rungs[j].lone_byte_ids
+        return any(t in lone for t in m.prompt) or sum(own) / len(own) < bound
 
     async def _greedy_token(self, m: RequestMachine, j: int) -> int | None:
         """Rung j's greedy next token on the request's context (None: it could not say)."""

@@ -301,6 +301,7 @@ class RemoteRun:
     outcomes: list[Outcome] = field(default_factory=list)
     served: dict[str, Served] = field(default_factory=dict)
     times: dict[str, float] = field(default_factory=dict)
+    drafts: dict[str, dict[str, int]] = field(default_factory=dict)  # per served model: its gateway's draft checks
 
     def jobs(self) -> tuple[list[Job], list[Job]]:
         """(normal jobs of round 0, abnormal jobs: clean and faulted)."""
@@ -417,6 +418,7 @@ def validate_remote(cfg: RemoteValidateConfig, out_dir: Path, show_progress: boo
             memory["vllm"] = tree_rss_mb(vllm.proc.pid)
         servers = describe_servers(run, vllm, vllm_url)
         incidents = {n: _count_incidents(s.incidents) for n, s in run.served.items()}
+        run.drafts = {n: _draft_checks(s.gateway_url) for n, s in run.served.items()}
         progress.tick()
     finally:
         progress.close()
@@ -455,6 +457,15 @@ def judge_all(run: RemoteRun, judge: Fp32Judge, prompt_ids: Callable[[str, Promp
             ref = judge.greedy(prompt_ids("guarded", prompts[o.prompt_id]), run.cfg.max_tokens)
             reasons = judge_text(detokenize(ref), ref, len(ref) >= run.cfg.max_tokens).reasons
             o.model_own = bool(ref) and bool(set(o.garbage) & set(reasons))
+
+
+def _draft_checks(gateway_url: str) -> dict[str, int]:
+    """The draft-check counters a qladder serve reports on /readyz ({} when it cannot say)."""
+    try:
+        stats = httpx.get(f"{gateway_url}/readyz", timeout=10).json().get("stats", {})
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return {k.removeprefix("drafts_"): int(v) for k, v in stats.items() if k.startswith("drafts_")}
 
 
 def _count_incidents(path: Path | None) -> int | None:
@@ -516,8 +527,9 @@ def assemble_remote(run: RemoteRun, memory: dict[str, float | None], servers: di
         "guarded": section(guarded, None, mem_guarded),
         "latency_ratio_guarded_over_bare": ratios,
         "p99_ratio_gateway_over_bare": ratios["p99"],
-        # time to the first text a client receives (the gateway holds 7 tokens back on the INT4
-        # rung, so its per-token decode figure leaves those out: read the end-to-end rows)
+        # time to the first text a client receives (the gateway holds the first 8 tokens on the
+        # INT4 rung for the draft check, then 7 behind: its per-token decode figure leaves those
+        # out; read the end-to-end rows)
         "ttft_normal_ms": {cfg: {"p50": percentile(t, 50), "p99": percentile(t, 99)} for cfg, t in (
             (c, [o.prefill_ms for o in outs if o.population == "normal" and o.fault == "none" and o.status == "ok"])
             for c, outs in (("bare", bare), ("guarded", guarded)))},
@@ -525,6 +537,9 @@ def assemble_remote(run: RemoteRun, memory: dict[str, float | None], servers: di
                                             and o.fault == "none" and o.status == "ok"]
                                       for cfg, outs in (("bare", bare), ("guarded", guarded))},
         "incidents_recorded": incidents,
+        # per qladder serve: answers' first tokens vLLM scored (passed/refused/unchecked), released
+        # unscored (confident) or not held (skipped: a prompt over verify_max_context)
+        "draft_checks": run.drafts,
         "phase_times_s": run.times,
     }
 

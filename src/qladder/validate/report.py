@@ -368,7 +368,8 @@ def remote_blocks(r: dict[str, Any], images: dict[str, str | None]) -> list[Bloc
         rows.insert(4, ["time to first text P50 / P99, normal prompts (ms)",
                         f"{_f(t['bare']['p50'])} / {_f(t['bare']['p99'])}",
                         f"{_f(t['guarded']['p50'])} / {_f(t['guarded']['p99'])}",
-                        "the gateway holds 7 tokens back on the INT4 rung (the diffuse window)"])
+                        "the gateway holds an answer's first 8 tokens on the INT4 rung (the draft "
+                        "check), then 7 behind (the diffuse window)"])
     out: list[Block] = [
         ("h1", "qladder validate --remote: bare llama-server vs qladder serve over llama-server + vLLM"),
         ("p", f"Run mode **{mode}**, {m['prompts']['normal']} normal prompts x {m['rounds_normal']} rounds and "
@@ -384,7 +385,9 @@ def remote_blocks(r: dict[str, Any], images: dict[str, str | None]) -> list[Bloc
         out.append(("img", (images["replay"], "garbage and 5xx per fault model")))
     out += [("table", fault_table(r)), ("h2", "Per prompt class (crafted)"), ("table", class_table(r)),
             ("h2", "Servers"), ("table", server_table(r)),
-            ("p", f"Incidents recorded by each qladder serve: {r.get('incidents_recorded')}. {m['memory_note']}.")]
+            ("p", f"Incidents recorded by each qladder serve: {r.get('incidents_recorded')}. Draft checks by "
+                  f"each (vLLM scored: passed, refused, unchecked; released unscored: confident; not held: "
+                  f"skipped): {r.get('draft_checks')}. {m['memory_note']}.")]
     b = r.get("beside_in_process")
     if b:
         out += [("h2", "Beside the in-process run"),

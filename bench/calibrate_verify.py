@@ -1,0 +1,129 @@
+"""Calibrate the standby's check of an answer's first tokens (`verify`): llama-server drafts the
+first DRAFT tokens of each corpus answer, vLLM (the fp32 standby) scores them in one prefill
+(`prompt_logprobs`), and per draft token we record the gap `lq - lp` (llama-server's own logprob
+of the token minus the fp32 model's) and `lp`.
+
+Populations, greedy (as the validation replays): the embedded GGUF on every normal and abnormal
+prompt; the corrupted-scale copy (x1000, finite garbage) and the
+glitch-token copy on the prompts that meet them. Prompts are rendered as qladder serve renders
+them (sanitized, the chat template). Prints JSON: per population the percentiles of each draft's
+largest gap, and how many drafts each candidate bound would refuse.
+
+"own_mean": the draft's mean logprob on llama-server itself; "suspect": how many drafts a bound
+on it would send to the standby, and how many refusals it would miss. Prompts over
+MAX_CONTEXT tokens are left out, as the guard leaves their drafts unchecked.
+
+Usage: python bench/calibrate_verify.py [DRAFT [STRIDE]]   (8, 1)
+"""
+
+import concurrent.futures as cf
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from qladder.config import Settings
+from qladder.engines.llamacpp import LlamaVocab
+from qladder.engines.torch_engine import fp32_checkpoint
+from qladder.errors import InputError
+from qladder.faults import corrupt_gguf_scale, glitch_gguf
+from qladder.model import inspect_model
+from qladder.peers.llama_server import LlamaServer
+from qladder.peers.vllm import VllmServer
+from qladder.percentiles import percentile
+from qladder.prepare import Preparer
+from qladder.validate.corpora import Prompt, load_corpora
+
+GAPS = (4.0, 5.0, 6.0, 8.0, 10.0, 12.0)
+SUSPECT = (-0.5, -0.75, -1.0, -1.25, -1.5)  # candidate bounds on the draft's mean own logprob
+GAP = 5.0  # the bound chosen (GuardConfig.verify_gap)
+MAX_CONTEXT = 512  # GuardConfig.verify_max_context
+GLITCH_CLASSES = ("emoji_zwj",)  # the sanitizer removes the others' glitch tokens before the gateway
+
+
+def draft(url: str, ids: list[int], n: int) -> list[tuple[int, float]]:
+    r = httpx.post(f"{url}/completion", timeout=300, json={
+        "prompt": ids, "n_predict": n, "temperature": 0, "n_probs": 1, "return_tokens": True}).json()
+    probs = r.get("completion_probabilities") or []
+    return [(int(p["id"]), float(p["logprob"])) for p in probs if p.get("logprob") is not None]
+
+
+def score(url: str, model: str, ids: list[int], toks: list[int]) -> list[float]:
+    r = httpx.post(f"{url}/v1/completions", timeout=300, json={
+        "model": model, "prompt": ids + toks, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0})
+    r.raise_for_status()
+    rows = r.json()["choices"][0]["prompt_logprobs"][len(ids):]
+    return [float(row[str(t)]["logprob"]) for row, t in zip(rows, toks, strict=True)]
+
+
+def summary(drafts: list[list[tuple[float, float]]]) -> dict[str, object]:
+    """drafts: per answer, per token (lq, lp)."""
+    drafts = [d for d in drafts if d]
+    gaps = [max(lq - lp for lq, lp in d) for d in drafts]
+    lows = [min(lp for _, lp in d) for d in drafts]
+    own = [sum(lq for lq, _ in d) / len(d) for d in drafts]
+    return {"answers": len(gaps),
+            "own_mean": {"p1": percentile(own, 1), "p10": percentile(own, 10), "p50": percentile(own, 50),
+                         "p90": percentile(own, 90), "max": max(own, default=None)},
+            # drafts a suspicion bound would send to the standby, and refusals (at GAP) it would miss
+            "suspect": {str(b): {"checked": sum(o < b for o in own),
+                                 "missed_refusals": sum(o >= b and g > GAP for o, g in zip(own, gaps, strict=True))}
+                        for b in SUSPECT},
+            "max_gap": {"p50": percentile(gaps, 50), "p90": percentile(gaps, 90), "p99": percentile(gaps, 99),
+                        "max": max(gaps, default=None), "min": min(gaps, default=None)},
+            "min_fp32_logprob": {"min": min(lows, default=None), "p1": percentile(lows, 1),
+                                 "p50": percentile(lows, 50)},
+            "refused_at_gap": {str(g): sum(x > g for x in gaps) for g in GAPS}}
+
+
+def main() -> None:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+    stride = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    settings = Settings.from_env()
+    info = inspect_model(None, settings.cache_dir)
+    vocab = LlamaVocab(info)
+    preparer = Preparer(info, vocab.tokenize, 2048)
+    normal, abnormal = load_corpora()
+
+    def enc(p: Prompt) -> list[int] | None:
+        raw = p.prompt if isinstance(p.prompt, bytes) else p.prompt.encode("utf-8", "surrogatepass")
+        try:
+            return preparer.encode_messages([{"role": "user", "content": raw.decode("utf-8", "replace")}], n)[0]
+        except InputError:
+            return None
+
+    ids = {p.id: enc(p) for p in normal + abnormal}
+    t0 = time.perf_counter()
+    out: dict[str, object] = {"draft": n, "stride": stride, "max_context": MAX_CONTEXT,
+                              "slots": 4, "llama_threads": 1, "vllm_threads": 1,
+                              "vllm": "0.32.0 eager, fp32", "machine": platform.processor() or platform.machine()}
+    with tempfile.TemporaryDirectory() as d, VllmServer(fp32_checkpoint(info, settings.cache_dir), threads=1,
+                                                       extra=("--enforce-eager",)) as vllm:
+        model = httpx.get(f"{vllm.base_url}/v1/models").json()["data"][0]["id"]
+        bad, glitch = Path(d) / "corrupted.gguf", Path(d) / "glitch.gguf"
+        corrupt_gguf_scale(info.path, bad, x=1000.0)
+        glitch_gguf(info.path, glitch, x=1000.0)
+        runs = (("clean_normal_greedy", info.path, normal[::stride]),
+                ("clean_abnormal_greedy", info.path, abnormal[::stride]),
+                ("corrupted_normal_greedy", bad, normal[::4 * stride]),
+                ("corrupted_abnormal_greedy", bad, abnormal[::2 * stride]),
+                ("glitch_emoji_greedy", glitch, [p for p in abnormal if p.cls in GLITCH_CLASSES]))
+        for name, gguf, prompts in runs:
+            todo = [p for p in prompts if ids[p.id] and len(ids[p.id]) <= MAX_CONTEXT]  # type: ignore[arg-type]
+            with LlamaServer(gguf, n_parallel=4, threads=1, n_ctx_per_slot=2048) as ls, cf.ThreadPoolExecutor(4) as ex:
+                def one(p: Prompt, u: str = ls.base_url) -> list[tuple[float, float]]:
+                    dr = draft(u, ids[p.id], n)  # type: ignore[arg-type]
+                    lps = score(vllm.base_url, model, ids[p.id], [tok for tok, _ in dr])  # type: ignore[arg-type]
+                    return [(lq, lp) for (_, lq), lp in zip(dr, lps, strict=True)]
+                drafts = list(ex.map(one, todo))
+            out[name] = summary(drafts)
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -55,9 +55,10 @@ class RemoteConfig:
     # The wait for a stream's first token covers the server's queue and the prefill, not one
     # decode step: the guard's step deadline applies from the second token on.
     first_token_timeout_s: float = 30.0
-    # The standby's check of an answer's first tokens: past this, they are released unchecked
-    # (counted in `unchecked`), never held back for a slow standby.
-    check_timeout_s: float = 5.0
+    # The standby's check of a suspect draft waits as long as a first token may (the standby may be
+    # busy with handoffs: a suspect draft released unchecked is the failure the check is for);
+    # past it, or on the standby's error, the draft is released unchecked (counted in `unchecked`).
+    check_timeout_s: float = 30.0
 
 
 class RemotePool:
@@ -272,9 +273,10 @@ class RemotePool:
                     return hazard
                 lp = _logprob(item, m.params.logprobs) if m.logprobs is not None else None
                 action = m.accept_token(t, lp)
-                check = m.unchecked and (isinstance(action, Confirm | MoveTo | Verify) or m.step >= n_check)
-                if check and (refused := await self._check_draft(m, j)) is not None:
-                    return refused
+                if m.unchecked and (isinstance(action, Confirm | MoveTo | Verify) or m.step >= n_check):
+                    if (refused := await self._check_draft(m, j)) is not None:
+                        return refused
+                    last = self.clock()  # the server kept decoding meanwhile: the gap restarts here
                 if isinstance(action, Confirm):
                     m.finish(action.reason)
                     return None

@@ -173,6 +173,19 @@ def test_topology_reports_every_mistake_one_line_each(tmp_path):
         load_topology(bad)
     with pytest.raises(ConfigError, match="guard: unknown preset"):
         parse_topology({"server": {"guard": "nope"}})
+    with pytest.raises(ConfigError, match="draft_check: 'some' is none of suspect, all, off"):
+        parse_topology({"server": {"draft_check": "some"}})
+
+
+def test_draft_check_setting_reaches_the_guard():
+    from qladder.config import Settings
+    from qladder.server.serve import serving_config
+
+    def guard(value: str):
+        return serving_config(parse_topology({"server": {"draft_check": value}}), Settings.from_env()).ladder.guard
+
+    assert guard("suspect").verify_tokens == 8 and guard("suspect").verify_suspect_logprob == -1.25
+    assert guard("all").verify_suspect_logprob is None and guard("off").verify_tokens == 0
 
 
 def test_a_remote_pool_needs_its_url_and_only_a_remote_rung_takes_one():

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -41,6 +42,10 @@ _log = logging.getLogger("qladder.server")
 def serving_config(t: Topology, settings: Settings) -> ServingConfig:
     int4, standby = t.int4, t.standby
     guard = GUARD_PRESETS[t.server.guard]
+    if t.server.draft_check == "off":
+        guard = dataclasses.replace(guard, verify_tokens=0)
+    elif t.server.draft_check == "all":
+        guard = dataclasses.replace(guard, verify_suspect_logprob=None)
     off = t.server.guard == "off"
     from qladder.policy import LadderPolicy
 

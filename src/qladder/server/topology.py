@@ -9,6 +9,8 @@
     redact = false                 # keep only prompt fingerprints in the incident store
     allow_faults = false           # fault injection through the API (validation, load tests only)
     guard = "default"              # guard preset: default, logits, strict, off
+    draft_check = "suspect"        # vLLM above a remote INT4 rung scores an answer's first tokens:
+                                   # "suspect" drafts (a flagged input, an unsure rung), "all", "off"
     sanitize = "default"           # input defence preset: default, strict, off
 
     [model]
@@ -100,6 +102,7 @@ class ServerSettings:
     redact: bool = False
     allow_faults: bool = False
     guard: str = "default"
+    draft_check: str = "suspect"
     sanitize: str = "default"
 
 
@@ -226,6 +229,9 @@ def _type_ok(value: object, want: str) -> bool:
     return True
 
 
+DRAFT_CHECKS = ("suspect", "all", "off")
+
+
 def _check_server(s: ServerSettings, errors: list[str]) -> None:
     from qladder.health.guard import GUARD_PRESETS
     from qladder.sanitize import PRESETS
@@ -240,6 +246,8 @@ def _check_server(s: ServerSettings, errors: list[str]) -> None:
         errors.append(f"server.drain_timeout_s must be >= 0, got {s.drain_timeout_s}")
     if s.guard not in GUARD_PRESETS:
         errors.append(f"server.guard: unknown preset {s.guard!r} (choose from {', '.join(GUARD_PRESETS)})")
+    if s.draft_check not in DRAFT_CHECKS:
+        errors.append(f"server.draft_check: {s.draft_check!r} is none of {', '.join(DRAFT_CHECKS)}")
     if s.sanitize not in PRESETS:
         errors.append(f"server.sanitize: unknown preset {s.sanitize!r} (choose from {', '.join(PRESETS)})")
 

@@ -239,6 +239,19 @@ def vocab(model_info):
     v.close()
 
 
+def test_a_closed_vocabulary_raises_instead_of_calling_into_freed_llama_cpp(model_info):
+    from qladder.engines.llamacpp import LlamaVocab
+    from qladder.errors import EngineError
+
+    v = LlamaVocab(model_info)
+    assert v.tokenize("hi", False)
+    v.close()
+    with pytest.raises(EngineError, match="was closed"):
+        v.tokenize("hi", False)
+    with pytest.raises(EngineError, match="was closed"):
+        v.detokenize([1, 2])
+
+
 def _app(vocab, model_info, client=None, api_keys=(), **server):
     t = Topology()
     t = dataclasses.replace(t, server=dataclasses.replace(t.server, **server),

@@ -45,6 +45,7 @@ class LlamaVocabMixin:
     _fingerprint: str | None
     _pieces: list[bytes] | None = None
     _lone: frozenset[int] | None = None
+    _freed = False  # llama.cpp freed the model: a call into it would abort the process
 
     @property
     def fingerprint(self) -> str:
@@ -63,6 +64,7 @@ class LlamaVocabMixin:
             raise InputError(f"text is not valid Unicode (lone surrogate at {exc.start}); sanitize it first") from exc
         if not data:
             return []
+        self._alive()
         return list(self.llm.tokenize(data, add_bos=False, special=special))  # type: ignore[attr-defined]
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -73,10 +75,15 @@ class LlamaVocabMixin:
         Each id's piece is looked up in a table made once (llama.cpp's detokenize concatenates the
         same pieces: no leading-space rule applies to a byte-level BPE without BOS)."""
         if self._pieces is None:
+            self._alive()
             body = self.llm.detokenize  # type: ignore[attr-defined]
             self._pieces = [body([i]) for i in range(self.n_vocab)]
         pieces = self._pieces
         return b"".join(pieces[t] for t in token_ids if t not in self.eos_ids)
+
+    def _alive(self) -> None:
+        if self._freed:
+            raise EngineError(f"the vocabulary of {self.info.path.name} was closed")
 
     @property
     def lone_byte_ids(self) -> frozenset[int]:
@@ -327,4 +334,5 @@ class LlamaVocab(LlamaVocabMixin):
         self._fingerprint = None
 
     def close(self) -> None:
+        self._freed = True
         self.llm.close()

@@ -302,6 +302,9 @@ class RemotePool:
         assert self._client is not None
         above, draft, g = self.rungs[j + 1], m.accepted, m.config.guard
         own = m.drawn[:len(draft)]
+        if not draft:  # an answer that ended at once: nothing to score or release
+            m.draft_checked()
+            return None
         if not self._suspect(m, j, own):
             self.checks["confident"] += 1
             m.draft_checked()
@@ -323,7 +326,7 @@ class RemotePool:
     def _suspect(self, m: RequestMachine, j: int, own: list[float]) -> bool:
         """Whether a draft is worth the standby's prefill: a flagged input, or an unsure rung."""
         bound = m.config.guard.verify_suspect_logprob
-        if bound is None or m.req.flagged or not own:
+        if bound is None or m.req.flagged:
             return True
         lone = self.rungs[j].lone_byte_ids
         return any(t in lone for t in m.prompt) or sum(own) / len(own) < bound

@@ -28,6 +28,7 @@ import httpx
 
 from qladder.config import Settings
 from qladder.engines.llamacpp import LlamaVocab
+from qladder.engines.remote_vllm import draft_logprobs, score_body
 from qladder.engines.torch_engine import fp32_checkpoint
 from qladder.errors import InputError
 from qladder.faults import corrupt_gguf_scale, glitch_gguf
@@ -53,11 +54,9 @@ def draft(url: str, ids: list[int], n: int) -> list[tuple[int, float]]:
 
 
 def score(url: str, model: str, ids: list[int], toks: list[int]) -> list[float]:
-    r = httpx.post(f"{url}/v1/completions", timeout=300, json={
-        "model": model, "prompt": ids + toks, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0})
+    r = httpx.post(f"{url}/v1/completions", timeout=300, json=score_body(model, ids, toks))
     r.raise_for_status()
-    rows = r.json()["choices"][0]["prompt_logprobs"][len(ids):]
-    return [float(row[str(t)]["logprob"]) for row, t in zip(rows, toks, strict=True)]
+    return draft_logprobs(r.json(), len(ids), toks)
 
 
 def summary(drafts: list[list[tuple[float, float]]]) -> dict[str, object]:

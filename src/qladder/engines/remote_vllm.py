@@ -14,7 +14,8 @@ qladder caches for its torch rungs), so its answers are judged like any other ru
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import httpx
 
@@ -87,19 +88,27 @@ class VllmRung(HttpRung):
                     return
         raise RemoteStreamError("vLLM's stream ended before a finish_reason")
 
-
     async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[float]:
-        """`prompt_logprobs` of prompt + draft, one prefill (the one token it also generates is unused)."""
-        body = {"model": self.model, "prompt": prompt + draft, "max_tokens": 1, "temperature": 0,
-                "prompt_logprobs": 0}
-        r = await client.post(f"{self.base_url}/v1/completions", json=body)
+        r = await client.post(f"{self.base_url}/v1/completions", json=score_body(self.model, prompt, draft))
         if r.status_code != 200:
             raise RemoteStreamError(f"vLLM answered HTTP {r.status_code}: {r.text[:200]}")
         try:
-            rows = r.json()["choices"][0]["prompt_logprobs"][len(prompt):]
-            return [float(row[str(t)]["logprob"]) for row, t in zip(rows, draft, strict=True)]
+            return draft_logprobs(r.json(), len(prompt), draft)
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise RemoteStreamError(f"vLLM's prompt_logprobs are malformed: {exc!r}") from exc
+
+
+def score_body(model: str, prompt: list[int], draft: list[int]) -> dict[str, object]:
+    """The /v1/completions request that scores `draft` after `prompt` in one prefill
+    (`prompt_logprobs`; the one token it also generates is unused)."""
+    return {"model": model, "prompt": prompt + draft, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+
+
+def draft_logprobs(answer: dict[str, Any], n_prompt: int, draft: Sequence[int]) -> list[float]:
+    """Each draft token's logprob from the answer to `score_body` (KeyError, IndexError,
+    TypeError or ValueError when it is not that answer)."""
+    rows = answer["choices"][0]["prompt_logprobs"][n_prompt:]
+    return [float(row[str(t)]["logprob"]) for row, t in zip(rows, draft, strict=True)]
 
 
 def _top(d: dict[str, float | None] | None) -> tuple[tuple[int, float | None], ...]:

@@ -258,6 +258,7 @@ class Fp32Judge:
         self._greedy: dict[tuple[int, ...], list[int]] = {}
 
     def nll(self, prompt: list[int], answer: list[int]) -> float | None:
+        from qladder.engines.remote_vllm import draft_logprobs, score_body
         from qladder.validate.garbage import mean_nll
 
         key = (tuple(prompt), tuple(answer))
@@ -265,12 +266,9 @@ class Fp32Judge:
             return None
         if key not in self._nll:
             try:
-                r = httpx.post(f"{self.url}/v1/completions", timeout=300, json={
-                    "model": self.model, "prompt": prompt + answer, "max_tokens": 1, "temperature": 0,
-                    "prompt_logprobs": 0})
+                r = httpx.post(f"{self.url}/v1/completions", timeout=300, json=score_body(self.model, prompt, answer))
                 r.raise_for_status()
-                rows = r.json()["choices"][0]["prompt_logprobs"][len(prompt):]
-                self._nll[key] = mean_nll([float(row[str(t)]["logprob"]) for row, t in zip(rows, answer, strict=True)])
+                self._nll[key] = mean_nll(draft_logprobs(r.json(), len(prompt), answer))
             except (httpx.HTTPError, KeyError, ValueError, TypeError):
                 self._nll[key] = None  # too long to score: judged by its symptoms alone
         return self._nll[key]

@@ -155,13 +155,15 @@ def test_sampling_with_a_seed_is_reproducible(client):
 
 
 def test_errors_reach_the_openai_client_as_its_own_exceptions(client):
+    long_ids = get_engine("int4").tokenize(" ".join(f"Item {i} is number {i * 7 % 1000}." for i in range(400)), False)
+    assert len(long_ids) > 2048
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-nope", messages=_chat("hi"))
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=_chat("hi"), n=2)
     assert e.value.body["code"] == "unsupported_parameter"
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt=list(range(2047)), max_tokens=8)
+        client.completions.create(model=MODEL, prompt=long_ids, max_tokens=8)  # clean ids: the defence keeps them
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
 

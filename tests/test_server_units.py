@@ -298,7 +298,7 @@ BAD = [
      "invalid_value"),
     ("completions", {"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "invalid_value"),
     ("completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "unsupported_parameter"),
-    ("completions", {"model": MODEL, "prompt": list(range(1, 2100))}, 400, "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "LONG_CLEAN_IDS"}, 400, "invalid_value"),  # over the context
     ("completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "unsupported_parameter"),
     ("completions", {"model": MODEL, "prompt": ""}, 400, "invalid_value"),
 ]
@@ -307,6 +307,10 @@ BAD = [
 @pytest.mark.parametrize(("endpoint", "body", "status", "code"), BAD)
 def test_bad_requests_get_a_4xx_with_an_openai_error_body(vocab, model_info, endpoint, body, status, code):
     _, _, app = _app(vocab, model_info)
+    if isinstance(body, dict) and body.get("prompt") == "LONG_CLEAN_IDS":  # ids the input defence keeps as they are
+        body = {**body, "prompt": vocab.tokenize(" ".join(f"Item {i} is number {i * 7 % 1000}." for i in range(400)),
+                                                 False)}
+        assert len(body["prompt"]) > 2048
     with TestClient(app) as c:
         kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
             else {"json": body}

@@ -84,3 +84,36 @@ def test_public_api_is_complete():
                 "GenerationResult", "Hazard", "Handoff", "FinishReason", "sanitize", "load_engine",
                 "parse_fault", "IncidentStore", "Qladder", "QladderError"}
     assert expected <= set(qladder.__all__)
+
+
+@pytest.fixture(scope="module")
+def vocab(model_info):
+    from qladder.engines.llamacpp import LlamaVocab
+
+    v = LlamaVocab(model_info)
+    yield v
+    v.close()
+
+
+def test_raw_bytes_are_spelled_with_their_byte_tokens(vocab):
+    data = b"\x00\xe2\x82Hi \xf0\x9f\x98\x80"
+    ids = vocab.tokenize_bytes(data)
+    assert vocab.detokenize_bytes(ids) == data  # every byte kept, none replaced
+    assert len(ids[:3]) == 3 and all(len(vocab.detokenize_bytes([t])) == 1 for t in ids[:3])  # one token a byte
+    assert vocab.tokenize_bytes(b"plain text") == vocab.tokenize("plain text", False)
+    # bytes the vocabulary cannot spell alone (0xFF) become U+FFFD, as llama.cpp's tokenizer does
+    assert vocab.detokenize_bytes(vocab.tokenize_bytes(b"a\xffb")) == "a\ufffdb".encode()
+
+
+def test_a_token_id_prompt_gets_the_input_defence_and_keeps_clean_ids(vocab, model_info):
+    from qladder.model import user_prompt_ids, user_prompt_ids_bytes
+    from qladder.prepare import Preparer
+
+    p = Preparer(model_info, vocab.tokenize, 2048)
+    clean = user_prompt_ids(model_info.chat_template, "What is 2 + 2?", vocab.tokenize)
+    assert p.defend_ids(clean, vocab.detokenize_bytes, vocab.control_ids) == (clean, [])
+    raw = user_prompt_ids_bytes(model_info.chat_template, b"\x00\x01\xe2What is 2 + 2?", vocab.tokenize,
+                                vocab.tokenize_bytes)
+    ids, reports = p.defend_ids(raw, vocab.detokenize_bytes, vocab.control_ids)
+    assert ids == clean and reports and {c.kind for r in reports for c in r.changes} >= {"invalid_utf8"}
+    assert {t for t in raw if t in vocab.control_ids} == {t for t in ids if t in vocab.control_ids} != set()

@@ -201,3 +201,16 @@ def encode_segments(segments: Sequence[Segment], tokenize: Callable[[str, bool],
 def user_prompt_ids(chat_template: str, text: str, tokenize: Callable[[str, bool], list[int]]) -> list[int]:
     """Token ids of one user message rendered through the chat template (no sanitizing)."""
     return encode_segments(render_chat(chat_template, [{"role": "user", "content": text}]), tokenize)
+
+
+_BYTES_SLOT = "\ue000qladder-bytes\ue000"  # stands for the user's bytes while the template renders
+
+
+def user_prompt_ids_bytes(chat_template: str, data: bytes, tokenize: Callable[[str, bool], list[int]],
+                          tokenize_bytes: Callable[[bytes], list[int]]) -> list[int]:
+    """Token ids of one user message of raw bytes (no sanitizing) rendered through the chat
+    template: the template's text tokenized as usual, the bytes as `tokenize_bytes` spells them."""
+    out: list[int] = []
+    for seg in render_chat(chat_template, [{"role": "user", "content": _BYTES_SLOT}]):
+        out += tokenize_bytes(data) if not seg.special and seg.text == _BYTES_SLOT else tokenize(seg.text, seg.special)
+    return out

@@ -3,6 +3,7 @@
     p = Preparer(info, tokenize, n_ctx)
     ids, text, reports = p.prepare("Hello", max_tokens=128)     a user prompt (str, bytes or messages)
     ids, reports = p.encode_text("raw completion prompt", 128)    no template (/v1/completions)
+    ids, reports = p.defend_ids(ids, token_bytes, control_ids)    a token-id prompt (/v1/completions)
 
 Every change the sanitizer makes is in the reports (one `SanitizeResult` per message), so a front
 end can tell its client. The CLI (through `service.Qladder`) and the HTTP gateway both use it.
@@ -56,6 +57,36 @@ class Preparer:
         rep = sanitize(text, self.sanitize_config, count_tokens=self._count_tokens,
                        max_tokens=self._budget(max_tokens, 0))
         return self.tokenize(rep.text, True), rep
+
+    def defend_ids(self, ids: Sequence[int], token_bytes: Callable[[Sequence[int]], bytes],
+                   control_ids: frozenset[int]) -> tuple[list[int], list[SanitizeResult]]:
+        """The input defence on a token-id prompt: control tokens (a chat template's) stay; each run
+        of other ids between them is read as the bytes it spells, and where the sanitizer would
+        change them (invalid UTF-8 from raw byte tokens, control characters, zero-width and bidi
+        characters, ...) the run is sanitized and tokenized again, the change reported. A run the
+        sanitizer leaves alone keeps its ids exactly. No truncation: a prompt too long is refused."""
+        out: list[int] = []
+        reports: list[SanitizeResult] = []
+        run: list[int] = []
+
+        def flush() -> None:
+            if run:
+                rep = sanitize_bytes(token_bytes(run), self.sanitize_config)
+                if rep.changed:
+                    reports.append(rep)
+                    out.extend(self.tokenize(rep.text, False))
+                else:
+                    out.extend(run)
+                run.clear()
+
+        for t in ids:
+            if t in control_ids:
+                flush()
+                out.append(t)
+            else:
+                run.append(t)
+        flush()
+        return out, reports
 
     def prepare(self, prompt: str | bytes | Sequence[Message], max_tokens: int
                 ) -> tuple[list[int], str, list[SanitizeResult]]:

@@ -45,6 +45,8 @@ class LlamaVocabMixin:
     _fingerprint: str | None
     _pieces: list[bytes] | None = None
     _lone: frozenset[int] | None = None
+    _byte_ids: dict[int, int] | None = None
+    _control: frozenset[int] | None = None
     _freed = False  # llama.cpp freed the model: a call into it would abort the process
 
     @property
@@ -67,6 +69,28 @@ class LlamaVocabMixin:
         self._alive()
         return list(self.llm.tokenize(data, add_bos=False, special=special))  # type: ignore[attr-defined]
 
+    def tokenize_bytes(self, data: bytes) -> list[int]:
+        """Raw bytes as a byte-level vocabulary spells them (what a client that sends the bytes'
+        tokens sends): each valid UTF-8 stretch tokenized as plain text, each byte that belongs to
+        none as its own single-byte token (llama.cpp's own tokenizer would turn them into U+FFFD
+        first). A byte the vocabulary has no token for (SmolLM2: 0xC0, 0xC1, 0xF5-0xFF and a few
+        C0 controls, which valid UTF-8 text never holds alone) becomes U+FFFD, as llama.cpp does."""
+        if self._byte_ids is None:
+            self.detokenize_bytes([])
+            assert self._pieces is not None
+            self._byte_ids = {p[0]: i for i, p in reversed(list(enumerate(self._pieces))) if len(p) == 1}
+        out: list[int] = []
+        while data:
+            try:
+                out += self.tokenize(data.decode("utf-8"), False)
+                break
+            except UnicodeDecodeError as exc:
+                out += self.tokenize(data[:exc.start].decode("utf-8"), False)
+                for b in data[exc.start:exc.end]:
+                    out += [self._byte_ids[b]] if b in self._byte_ids else self.tokenize("\ufffd", False)
+                data = data[exc.end:]
+        return out
+
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.detokenize_bytes(token_ids).decode("utf-8", "replace")
 
@@ -84,6 +108,15 @@ class LlamaVocabMixin:
     def _alive(self) -> None:
         if self._freed:
             raise EngineError(f"the vocabulary of {self.info.path.name} was closed")
+
+    @property
+    def control_ids(self) -> frozenset[int]:
+        """Ids of the vocabulary's control tokens (`<|im_start|>`, `<|im_end|>`, ...)."""
+        if self._control is None:
+            self._alive()
+            is_control = self._lib.llama_vocab_is_control  # type: ignore[attr-defined]
+            self._control = frozenset(i for i in range(self.n_vocab) if is_control(self._vocab, i))
+        return self._control
 
     @property
     def lone_byte_ids(self) -> frozenset[int]:

@@ -57,13 +57,14 @@ class Prepared:
     reports: list[SanitizeResult]
     params: SamplingParams
     faults: tuple[Fault, ...]
+    return_token_ids: bool = False  # the answer's ids and rungs in the "qladder" extension
 
 
 class Gateway:
     def __init__(self, client: EngineClient, preparer: Preparer, token_bytes: Callable[[Sequence[int]], bytes],
                  n_vocab: int, model_name: str, router: Router, breakers: dict[str, Breaker], quarantine: Quarantine,
                  metrics: ServerMetrics, default_max_tokens: int = 512, allow_faults: bool = False,
-                 standby_sessions: int = 0):
+                 standby_sessions: int = 0, control_ids: frozenset[int] = frozenset()):
         self.client = client
         self.preparer = preparer
         self.token_bytes = token_bytes
@@ -76,6 +77,7 @@ class Gateway:
         self.default_max_tokens = default_max_tokens
         self.allow_faults = allow_faults
         self.standby_sessions = standby_sessions
+        self.control_ids = control_ids  # the template's tokens: a token-id prompt's defence keeps them
         self.n_ctx = min(client.n_ctx)
         self.draining = False
         self._tok_lock = threading.Lock()  # the vocabulary's tables are built lazily: one user at a time
@@ -95,6 +97,10 @@ class Gateway:
             raise Unsupported("qladder.faults", "fault injection is disabled on this server "
                                                 "(the operator starts it with --allow-faults)")
         return tuple(parse_fault(s) for s in specs)
+
+    @staticmethod
+    def _return_ids(body: ChatCompletionRequest | CompletionRequest) -> bool:
+        return body.qladder is not None and body.qladder.return_token_ids
 
     def _params(self, body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
                 logprobs: int | None) -> SamplingParams:
@@ -120,7 +126,7 @@ class Gateway:
         with self._tok_lock:
             ids, reports = self.preparer.encode_messages(messages, params.max_tokens)
         self._fits(ids, params)  # the incident store keeps the sanitized prompt (what the engine saw)
-        return Prepared(ids, "\n".join(r.text for r in reports), reports, params, faults)
+        return Prepared(ids, "\n".join(r.text for r in reports), reports, params, faults, self._return_ids(body))
 
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
         body.check()
@@ -132,14 +138,16 @@ class Gateway:
             with self._tok_lock:
                 ids, rep = self.preparer.encode_text(prompt, params.max_tokens)
             text, reports = rep.text, [rep]
-        else:  # token ids: nothing to sanitize; checked against the vocabulary
+        else:  # token ids: checked against the vocabulary, then the defence on the text they spell
             n_vocab = self.n_vocab
             bad = next((t for t in prompt if not 0 <= t < n_vocab), None)
             if bad is not None:
                 raise InputError(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
-            ids, text, reports = list(prompt), None, []
+            with self._tok_lock:
+                ids, reports = self.preparer.defend_ids(prompt, self.token_bytes, self.control_ids)
+            text = "\n".join(r.text for r in reports) if reports else None
         self._fits(ids, params)
-        return Prepared(ids, text, reports, params, faults)
+        return Prepared(ids, text, reports, params, faults, self._return_ids(body))
 
     def admit(self, p: Prepared) -> tuple[Request, fmt.Served]:
         """Route and build the engine request (nothing is submitted yet)."""
@@ -158,7 +166,8 @@ class Gateway:
         with self._routes_lock:
             self._routes[rid] = (route, fp, False)
         self.metrics.routes.labels(route.pool, route.reason.split(":")[0]).inc()
-        return req, fmt.Served(rid, int(time.time()), self.model_name, route.pool, route.reason, p.reports)
+        return req, fmt.Served(rid, int(time.time()), self.model_name, route.pool, route.reason, p.reports,
+                               p.return_token_ids)
 
     def forget(self, request_id: str) -> None:
         """A request that was admitted but never submitted (its submit raised)."""

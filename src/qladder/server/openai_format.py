@@ -34,6 +34,7 @@ class Served:
     pool: str
     route: str
     reports: list[SanitizeResult] = field(default_factory=list)
+    return_token_ids: bool = False
 
     def input_changes(self) -> list[dict[str, Any]]:
         return [asdict(c) for r in self.reports for c in r.changes]
@@ -48,6 +49,8 @@ def extension(s: Served, res: GenerationResult | None) -> dict[str, Any]:
                     "hazards": [h.to_dict() for h in res.hazards],
                     "handoffs": [h.to_dict() for h in res.handoffs],
                     "timings": {k: round(v, 3) for k, v in res.timings.items()}})
+        if s.return_token_ids:
+            ext.update({"token_ids": list(res.token_ids), "token_rungs": list(res.token_rungs)})
     return ext
 
 

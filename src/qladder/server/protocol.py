@@ -34,6 +34,8 @@ class QladderOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     faults: list[str] = Field(default_factory=list, max_length=16,
                               description="Fault specs as the CLI's --fault (nan@step=3, ...); needs --allow-faults")
+    return_token_ids: bool = Field(False, description="The answer's token ids and the rung of each in the "
+                                                      "response's \"qladder\" extension")
 
 
 class TextPart(_Model):

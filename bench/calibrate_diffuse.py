@@ -1,8 +1,9 @@
 """Calibrate the remote guard's `diffuse` check: llama-server's own top-1 log-probability, averaged
-over a window of streamed tokens, on clean traffic (the embedded GGUF: every normal and abnormal
-corpus prompt) and on the corrupted-scale copy (one Q4_1 block scale x1000, finite garbage the
-stream's logprobs are otherwise silent on). Greedy, 32 tokens. Prints JSON: per population the
-lowest window mean of each answer (its percentiles), and how many answers a bound would flag.
+over a window of streamed tokens, on clean traffic (the embedded GGUF: the train half of the normal
+and abnormal corpora; `qladder validate` scores the other half) and on the corrupted-scale copy
+(one Q4_1 block scale x1000, finite garbage the stream's logprobs are otherwise silent on).
+Greedy, 32 tokens. Prints JSON: per population the lowest window mean of each answer (its
+percentiles), and how many answers a bound would flag.
 
 "first_tokens": the same over the answer's first 2..WINDOW-1 tokens (the prefix mean), the
 windows a check can judge before the first full one.
@@ -20,11 +21,11 @@ from pathlib import Path
 import httpx
 
 from qladder.engines.llamacpp import LlamaVocab
-from qladder.faults import corrupt_gguf_scale
 from qladder.model import inspect_model, user_prompt_ids
 from qladder.peers.llama_server import LlamaServer
 from qladder.percentiles import percentile
-from qladder.validate.corpora import Prompt, load_corpora
+from qladder.validate.corpora import Prompt, load_corpora, train
+from qladder.validate.gguf_patch import corrupt_gguf_scale
 
 BOUNDS = (-1.8, -2.0, -2.2, -2.5)
 
@@ -51,7 +52,7 @@ def main() -> None:
     stride = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     info = inspect_model()
     vocab = LlamaVocab(info)
-    normal, abnormal = load_corpora()
+    normal, abnormal = (train(ps) for ps in load_corpora())  # the train half only: validation scores the test half
     def text(p: Prompt) -> str:  # as a client would send it: valid UTF-8, lone surrogates replaced
         raw = p.prompt if isinstance(p.prompt, bytes) else p.prompt.encode("utf-8", "surrogatepass")
         return raw.decode("utf-8", "replace")

@@ -3,8 +3,9 @@ first DRAFT tokens of each corpus answer, vLLM (the fp32 standby) scores them in
 (`prompt_logprobs`), and per draft token we record the gap `lq - lp` (llama-server's own logprob
 of the token minus the fp32 model's) and `lp`.
 
-Populations, greedy (as the validation replays): the embedded GGUF on every normal and abnormal
-prompt; the corrupted-scale copy (x1000, finite garbage) and the
+Populations, greedy (as the validation replays), on the train half of the corpora only (the
+validation's held-out test faults run on the other half): the embedded GGUF on every normal and
+abnormal train prompt; the corrupted-scale copy (x1000, finite garbage) and the
 glitch-token copy on the prompts that meet them. Prompts are rendered as qladder serve renders
 them (sanitized, the chat template). Prints JSON: per population the percentiles of each draft's
 largest gap, and how many drafts each candidate bound would refuse.
@@ -31,13 +32,13 @@ from qladder.engines.llamacpp import LlamaVocab
 from qladder.engines.remote_vllm import draft_logprobs, score_body
 from qladder.engines.torch_engine import fp32_checkpoint
 from qladder.errors import InputError
-from qladder.faults import corrupt_gguf_scale, glitch_gguf
 from qladder.model import inspect_model
 from qladder.peers.llama_server import LlamaServer
 from qladder.peers.vllm import VllmServer
 from qladder.percentiles import percentile
 from qladder.prepare import Preparer
-from qladder.validate.corpora import Prompt, load_corpora
+from qladder.validate.corpora import Prompt, load_corpora, train
+from qladder.validate.gguf_patch import corrupt_gguf_scale, glitch_gguf
 
 GAPS = (4.0, 5.0, 6.0, 8.0, 10.0, 12.0)
 SUSPECT = (-0.5, -0.75, -1.0, -1.25, -1.5)  # candidate bounds on the draft's mean own logprob
@@ -86,7 +87,7 @@ def main() -> None:
     info = inspect_model(None, settings.cache_dir)
     vocab = LlamaVocab(info)
     preparer = Preparer(info, vocab.tokenize, 2048)
-    normal, abnormal = load_corpora()
+    normal, abnormal = (train(ps) for ps in load_corpora())  # the train half only: validation scores the test half
 
     def enc(p: Prompt) -> list[int] | None:
         raw = p.prompt if isinstance(p.prompt, bytes) else p.prompt.encode("utf-8", "surrogatepass")

@@ -359,12 +359,12 @@ def test_corrupted_quantization_scale_in_a_gguf_copy_is_caught(tmp_path):
     garbage bare; the guarded ladder sees the outlier at prefill and fp32 answers."""
     from qladder.config import Settings
     from qladder.engines import load_engine
-    from qladder.faults import corrupt_gguf_scale
     from qladder.model import bundled_model_path, inspect_model
+    from qladder.validate.gguf_patch import corrupt_gguf_scale
 
     dst = tmp_path / "corrupt.gguf"
     change = corrupt_gguf_scale(bundled_model_path(), dst, x=1000.0)
-    assert change["new_d"] == pytest.approx(change["d"] * 1000.0, rel=1e-3)
+    assert change["n_blocks"] == 1 and change["new_d_max_abs"] == pytest.approx(change["d_max_abs"] * 1000.0, rel=1e-3)
     bad = load_engine("int4", inspect_model(dst, tmp_path), Settings.from_env())
     fp32 = get_engine("fp32")
     try:
@@ -384,8 +384,8 @@ def test_glitch_token_embeddings_in_an_untied_gguf_copy(tmp_path):
     answers. At x=1 the untied copy decodes exactly as the original."""
     from qladder.config import Settings
     from qladder.engines import load_engine
-    from qladder.faults import byte_fallback_tokens, glitch_gguf
     from qladder.model import bundled_model_path, inspect_model
+    from qladder.validate.gguf_patch import byte_fallback_tokens, glitch_gguf
 
     int4, fp32 = get_engine("int4"), get_engine("fp32")
     pieces = fp32.tokenizer.convert_ids_to_tokens(list(range(fp32.n_vocab)))

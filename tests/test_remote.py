@@ -175,7 +175,7 @@ def test_a_server_whose_vocabulary_differs_is_refused_at_start(model_info, tmp_p
     from qladder.engines.llamacpp import LlamaVocab
     from qladder.engines.remote_llama import LlamaServerRung
     from qladder.errors import TokenizerMismatchError
-    from qladder.faults import swapped_vocab_gguf
+    from qladder.validate.gguf_patch import swapped_vocab_gguf
 
     vocab = LlamaVocab(model_info)
     hello, world = vocab.tokenize("Hello", False)[0], vocab.tokenize(" world", False)[0]

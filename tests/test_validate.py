@@ -11,11 +11,12 @@ import pytest
 from qladder.engines.scripted import ScriptedEngine
 from qladder.errors import ConfigError
 from qladder.faults import parse_fault
+from qladder.types import FALLBACK_TEXT
 from qladder.validate import corpora, queueing
 from qladder.validate.fault_models import FAULT_MODELS, assign, by_name
-from qladder.validate.garbage import judge
-from qladder.validate.replay import Outcome, agreement, greedy
-from qladder.validate.stats import paired_ratio, percentile, rates
+from qladder.validate.garbage import judge, periodic_tail, same_answer
+from qladder.validate.outcome import Outcome
+from qladder.validate.replay import greedy
 
 from .conftest import get_engine
 
@@ -85,29 +86,103 @@ def test_assign_restricted_model_alternates_its_classes():
     assert [a.prompt_index for a in pairs[3:]] == [0, 1, 2]  # unrestricted: round-robin as before
 
 
+def test_train_and_test_halves_and_fault_sets_are_disjoint():
+    from qladder.validate.fault_models import TEST_FAULT_MODELS
+
+    normal, abnormal = corpora.load_corpora()
+    for ps in (normal, abnormal):
+        halves = {s: {p.id for p in ps if p.split == s} for s in ("train", "test")}
+        assert not halves["train"] & halves["test"] and abs(len(halves["train"]) - len(halves["test"])) <= len(ps) // 10
+    quick = corpora.subset(abnormal, 2)
+    for cls in corpora.ABNORMAL_CLASSES:
+        assert {p.split for p in quick if p.cls == cls} == {"train", "test"}
+    assert {m.fault_set for m in FAULT_MODELS} == {"train"} and {m.fault_set for m in TEST_FAULT_MODELS} == {"test"}
+    train_patches = {m.gguf_patch for m in FAULT_MODELS if m.gguf_patch}
+    assert not train_patches & {m.gguf_patch for m in TEST_FAULT_MODELS if m.gguf_patch}
+    assert not {m.specs for m in FAULT_MODELS if m.specs} & {m.specs for m in TEST_FAULT_MODELS if m.specs}
+    assert by_name(["error@step=1"])[0].fault_set == "test"
+
+
+def test_gguf_patches_change_exactly_the_chosen_scales(tmp_path, model_info):
+    import numpy as np
+    from gguf import GGUFReader
+
+    from qladder.validate.gguf_patch import parse_index_list, patch_scales
+
+    assert parse_index_list("0-3,7,10-11", 20, "rows") == [0, 1, 2, 3, 7, 10, 11]
+    assert parse_index_list("all", 3, "rows") == [0, 1, 2]
+    for bad in ("3-1", "x", "25"):
+        with pytest.raises(ConfigError):
+            parse_index_list(bad, 20, "rows")
+    src, dst = model_info.path, tmp_path / "p.gguf"
+    change = patch_scales(src, dst, "blk.5.ffn_down.weight", "0-3", "1,2", x=30.0)
+    assert change["n_blocks"] == 8 and change["rows"] == "0-3" and change["blocks"] == "1-2"
+
+    def scales(path):
+        t = {x.name: x for x in GGUFReader(str(path)).tensors}["blk.5.ffn_down.weight"]
+        return np.array(t.data).reshape(t.data.shape[0], -1, 20)[..., :2].copy().view(np.float16)[..., 0]
+
+    a, b = scales(src).astype(np.float32), scales(dst).astype(np.float32)
+    changed = np.argwhere(a != b)
+    assert {tuple(x) for x in changed} == {(r, k) for r in range(4) for k in (1, 2)}
+    assert np.allclose(b[:4, 1:3], a[:4, 1:3] * 30, rtol=1e-3)
+    assert src.read_bytes()[:4096] == dst.read_bytes()[:4096]  # the header untouched
+    with pytest.raises(ConfigError):
+        patch_scales(src, dst, "blk.5.ffn_down.weight", "0", "0")  # neither a factor nor a value
+
+
+def test_cli_patch_gguf_writes_a_copy_and_refuses_mistakes(tmp_path, model_info):
+    from typer.testing import CliRunner
+
+    from qladder.cli import app
+
+    out = tmp_path / "inf.gguf"
+    res = CliRunner().invoke(app, ["faults", "patch-gguf", str(model_info.path), str(out), "--tensor",
+                                   "blk.17.ffn_up.weight", "--rows", "100-101", "--blocks", "2", "--set", "inf"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["n_blocks"] == 2 and out.stat().st_size == model_info.path.stat().st_size
+    res = CliRunner().invoke(app, ["faults", "patch-gguf", str(model_info.path), str(out), "--tensor",
+                                   "blk.17.ffn_up.weight", "--scale", "2", "--set", "inf"])
+    assert res.exit_code == 2 and "exactly one" in res.output
+    res = CliRunner().invoke(app, ["faults", "patch-gguf", str(model_info.path), str(out), "--tensor", "nope",
+                                   "--scale", "2"])
+    assert res.exit_code == 2 and "no tensor" in res.output
+
+
 # -- garbage judge --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("text", "ids", "truncated", "reasons"), [
-    ("The capital of France is Paris.", [5, 6, 7, 8], False, ()),
-    ("NaN NaN NaN", [9, 9, 9], False, ("nan_text",)),
-    ("x = NaN, a float", [1, 2], False, ()),
-    ("ok \ufffd ok", [1, 2, 3], False, ("replacement_char",)),
-    ("emoji cut \ufffd", [1, 2, 3], True, ()),
-    ("emoji cut \ufffd", [1, 2, 3], False, ("replacement_char",)),
-    ("\u25a0\u25a0\u25a0 \u2588\u2588", [1, 2], False, ("black_squares",)),
-    ("", [], False, ("empty",)),
-    ("  \n", [3, 4], False, ("empty",)),
-    ("hi", [4, 0, 0, 0, 5], False, ("token0_flood",)),
+@pytest.mark.parametrize(("text", "ids", "prompt", "reasons"), [
+    ("The capital of France is Paris.", [5, 6, 7, 8], "", ()),
+    ("NaN NaN NaN", [9, 10, 9], "", ("nan_text",)),
+    ("x = NaN, a float", [1, 2], "", ()),
+    ("ok \ufffd ok", [1, 2, 3], "", ("replacement_char",)),
+    ("emoji cut \ufffd", [1, 2, 3], "", ("replacement_char",)),  # a cut mid-character counts too
+    ("echo \ufffd", [1, 2, 3], "the prompt had \ufffd", ()),
+    ("a\x00\x01b", [1, 2], "", ("control_chars",)),
+    ("a\x00b", [1, 2], "", ()),  # one control character is not a run
+    ("tab\tnew\nline", [1, 2], "", ()),
+    ("\u25a0\u25a0\u25a0 \u2588\u2588", [1, 2], "", ("black_squares",)),
+    ("......", [30], "", ("char_flood",)),  # merged into one token, the text still shows it
+    ("ab", [7, 7, 7, 7, 7, 7], "", ("token_flood",)),
+    ("ab", [7, 7, 7, 7, 7], "", ()),
+    ("", [], "", ("empty",)),
+    ("  \n", [3, 4], "", ("empty",)),
+    ("hi", [4, 0, 0, 0, 5], "", ("token0_flood",)),
 ])
-def test_judge_symptoms(text, ids, truncated, reasons):
-    assert judge(text, ids, truncated).reasons == reasons
+def test_judge_symptoms(text, ids, prompt, reasons):
+    assert judge(text, ids, prompt).reasons == reasons
+
+
+def test_the_inf_scale_answer_is_garbage_without_a_likelihood():
+    """llama-server's real answer on an inf scale: token 30 ('.') x 32, every logprob null."""
+    v = judge("." * 32, [30] * 32)
+    assert {"token_flood", "char_flood", "loop"} <= set(v.reasons) and not v.scored
 
 
 def test_judge_loops_by_rep4_and_compression_not_by_the_guards_rule():
-    assert judge(",,,,,,,,,,,,", [11] * 12).reasons == ("loop",)  # a one-token flood
-    assert judge("ab" * 6, [1, 2] * 6).rep4 > 0.6
-    assert judge("short", [1, 2] * 5).reasons == ()  # 10 tokens: under LOOP_MIN_TOKENS
+    assert "loop" in judge("ab" * 6, [1, 2] * 6).reasons
+    assert judge("short", [1, 2] * 3).reasons == ()  # 6 tokens: under LOOP_MIN_TOKENS
     assert judge("text", list(range(10)) * 2).reasons == ()  # a 10-token phrase said twice: rep-4 0.41
     loop = "a sanctuary of the soul, " * 12  # a long loop: repeated 4-grams and a text zlib shrinks 10x
     v = judge(loop, [5, 6, 7, 8, 9, 10] * 12)
@@ -116,6 +191,27 @@ def test_judge_loops_by_rep4_and_compression_not_by_the_guards_rule():
              "and a cold wind carries the smell of rain across fields of wheat and barley.") * 2
     v = judge(prose, list(range(40)) * 2)  # repeated once: rep-4 0.49, under the bound
     assert v.reasons == () and v.rep4 < 0.6
+
+
+def test_judge_likelihood_scored_failed_and_unjudged():
+    assert "implausible" in judge(" the] is 3 the  the]", [1, 2, 3], nll=6.9).reasons
+    ok = judge("The capital of France is Paris.", [1, 2, 3], nll=0.4)
+    assert ok.reasons == () and ok.scored and not ok.unjudged
+    failed = judge("The capital of France is Paris.", [1, 2, 3], score_failed=True)
+    assert failed.unjudged and not failed.scored and not failed.garbage
+    loud = judge("", [], score_failed=True)  # a symptom decides alone: garbage, not unjudged
+    assert loud.garbage and not loud.unjudged
+
+
+def test_periodic_tail_and_the_models_own_answer():
+    assert periodic_tail([1, 2, 3, 4, 5, 6, 5, 6, 5, 6]) == (4, 2)
+    assert periodic_tail([1, 2, 3, 4]) is None
+    assert same_answer([1, 2, 3], [1, 2, 3]) and not same_answer([1, 2, 3], [1, 2, 4])
+    # the same loop, out of phase by one token and starting within 4 tokens
+    assert same_answer([9, 1, 2, 1, 2, 1, 2, 1, 2], [8, 8, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2])
+    assert not same_answer([9, 1, 2, 1, 2, 1, 2, 1, 2], [8, 8, 1, 3, 1, 3, 1, 3, 1, 3])  # another loop
+    far = [4] * 6 + [1, 2] * 4
+    assert not same_answer([1, 2] * 5, far)  # the same loop, 6 tokens later
 
 
 def _scripted(nan_from: int | None = None, loop: bool = False) -> ScriptedEngine:
@@ -136,29 +232,18 @@ def test_judge_on_scripted_engine_output():
     assert judge("abcdefg", clean).reasons == ()
     nan = greedy(_scripted(nan_from=3), [1, 2, 3], 12)
     assert nan[3:] == [0] * 9
-    assert "token0_flood" in judge("x", nan).reasons
+    assert {"token_flood", "token0_flood"} <= set(judge("x", nan).reasons)
     looped = greedy(_scripted(loop=True), [1, 2, 3], 16)
-    assert judge("bbbb", looped).reasons == ("loop",)
+    assert {"token_flood", "loop"} <= set(judge("bbbb", looped).reasons)
     faulted = greedy(_scripted(), [1, 2, 3], 6, [parse_fault("zero@step=2")])
     assert faulted[2:] == [0, 0, 0, 0]
 
 
-def test_judge_implausible_by_reference_likelihood():
-    assert "implausible" in judge(" the] is 3 the  the]", [1, 2, 3], nll=6.9).reasons
-    assert judge("The capital of France is Paris.", [1, 2, 3], nll=0.4).reasons == ()
-    assert judge("The capital of France is Paris.", [1, 2, 3]).reasons == ()  # not scored: symptoms only
-    o = Outcome("bare", "p", "c", "abnormal", "corrupted_scale", "ok", text="x y z", token_ids=[5, 6, 7],
-                finish_reason="length", nll=7.5)
-    o.judge()
-    assert o.garbage == ["implausible"] and o.is_garbage
-
-
 def test_fp32_scores_its_own_greedy_answer_as_plausible_and_noise_as_not():
+    from qladder.model import inspect_model, user_prompt_ids
     from qladder.validate.garbage import IMPLAUSIBLE_NLL, mean_nll
 
     fp32 = get_engine("fp32")
-    from qladder.model import inspect_model, user_prompt_ids
-
     ids = user_prompt_ids(inspect_model().chat_template, "What is the capital of France?", fp32.tokenize)
     answer = greedy(fp32, ids, 8)
     lp = fp32.score(ids, answer)
@@ -169,10 +254,18 @@ def test_fp32_scores_its_own_greedy_answer_as_plausible_and_noise_as_not():
     assert fp32.score(ids, []) == []
 
 
-def test_outcome_judgement_skips_errors_and_fallbacks():
-    o = Outcome("bare", "p", "c", "abnormal", "nan", "error", text="")
-    o.judge(False)
-    assert o.garbage == [] and not o.is_garbage
+def test_outcome_columns_errors_fallbacks_and_unjudged():
+    err = Outcome("t", "bare", "p", "c", "abnormal", status="error")
+    err.judge()
+    assert err.verdict == {} and err.five_xx and not err.answered_clean and not err.garbage
+    fb = Outcome("t", "guarded", "p", "c", "abnormal", fallback=True, text=FALLBACK_TEXT)
+    fb.judge()
+    assert not fb.garbage and not fb.answered_clean  # its own column, never clean
+    un = Outcome("t", "guarded", "p", "c", "abnormal", text="Fine.", token_ids=[1, 2])
+    un.judge(None, score_failed=True)
+    assert un.unjudged and not un.answered_clean and not un.garbage
+    assert Outcome("t", "bare", "p", "c", "abnormal", status=503).five_xx
+    assert Outcome("t", "bare", "p", "c", "abnormal", status=413).four_xx
 
 
 # -- queueing model -----------------------------------------------------------------------------------
@@ -239,37 +332,100 @@ def test_simulation_matches_m_d_1():
     assert queueing.simulate(1, 0.5, [1.0], n=100_000, seed=1) == pytest.approx(0.5, rel=0.05)
 
 
-# -- statistics ---------------------------------------------------------------------------------------
+# -- figures from outcomes (qladder.validate.recompute) ---------------------------------------------------
 
 
-def test_percentile_and_rates():
-    assert percentile([1, 2, 3, 4], 50) == 2.5
-    assert percentile([10.0], 99) == 10.0 and percentile([], 50) is None
-    outs = [Outcome("bare", "a", "c", "abnormal", "none", "ok", text="fine", token_ids=[1, 2]),
-            Outcome("bare", "b", "c", "abnormal", "nan", "ok", text="", garbage=["empty"]),
-            Outcome("bare", "c", "c", "abnormal", "error", "error", error_kind="engine_error: x")]
-    r = rates(outs)
-    assert (r["garbage_rate"], r["error_rate"], r["reject_rate"]) == (1 / 3, 1 / 3, 0.0)
-    assert r["error_kinds"] == {"engine_error": 1}
+def _normal(config: str, prompt: int, rnd: int, ms: float, status: str = "ok") -> Outcome:
+    o = Outcome("t", config, f"n-qa-{prompt:03d}", "qa", "normal", round=rnd, phase="normal",
+                split=corpora.split_of(f"n-qa-{prompt:03d}"), status=status, latency_ms=ms,
+                text="A fine answer.", token_ids=[5, 6, 7], rungs=["int4"] * 3)
+    o.judge(0.5)
+    return o
 
 
-def test_paired_ratio_and_agreement():
-    bare = [Outcome("bare", p, "qa", "normal", "none", "ok", token_ids=[1], wall_ms=w) for p, w in
-            (("a", 100.0), ("b", 200.0))]
-    guarded = [Outcome("guarded", p, "qa", "normal", "none", "ok", token_ids=[1], wall_ms=w) for p, w in
-               (("a", 110.0), ("b", 220.0))]
-    assert paired_ratio(bare, guarded)["paired_median"] == pytest.approx(1.1)
-    # A noisy round on one prompt moves the pooled P99, not the P99 of the prompts' medians.
-    for r, noise in ((1, 1.0), (2, 1.0), (3, 3.0)):
-        bare += [Outcome("bare", p, "qa", "normal", "none", "ok", token_ids=[1], wall_ms=w, round=r)
-                 for p, w in (("a", 100.0), ("b", 200.0 * noise))]
-        guarded += [Outcome("guarded", p, "qa", "normal", "none", "ok", token_ids=[1], wall_ms=w, round=r)
-                    for p, w in (("a", 101.0), ("b", 202.0))]
-    pr = paired_ratio(bare, guarded)
-    assert pr["p99_prompt_medians"] == pytest.approx(202.0 / 200.0) and pr["prompts"] == 2
-    assert pr["p99"] < 0.5
-    assert agreement([1, 2, 3], [1, 2, 4, 5]) == (0.5, 0.5)
-    assert agreement([], []) == (1.0, 1.0)
+def _crafted(config: str, k: int, fault: str | None, *, text: str = "A fine answer.", ids: list[int] | None = None,
+             fallback: bool = False, rungs: list[str] | None = None, cont: bool | None = None) -> Outcome:
+    pid = f"a-long_math-{k:03d}"
+    o = Outcome("t", config, pid, "long_math", "abnormal", fault=fault, phase="faulted" if fault else "abnormal",
+                split=corpora.split_of(pid), fault_set=corpora.split_of(pid) if fault else None, text=text,
+                token_ids=[5, 6, 7] if ids is None else ids, fallback=fallback, rungs=rungs or ["int4"] * 3,
+                fp32_continuation_identical=cont, handoff_ms=[120.0] if rungs and "fp32" in rungs else [])
+    o.judge(0.5 if text.strip() else None)
+    return o
+
+
+def _run(give_up: bool, prompts: int = 180, rounds: int = 3) -> list[Outcome]:
+    """A run with >= 500 normal requests per side, and faulted requests on both halves: bare answers
+    them with garbage, guarded hands them to fp32 (or, `give_up`, answers with the fallback)."""
+    outs = [_normal(c, p, r, 100.0 + p % 7) for r in range(rounds) for p in range(prompts)
+            for c in ("bare", "bare_aa", "guarded")]
+    for k in range(8):
+        outs += [_crafted("bare", k, None), _crafted("guarded", k, None)]
+        outs.append(_crafted("bare", k, "nan_logits", text="", ids=[0] * 6))
+        outs.append(_crafted("bare", k, "inf_logits"))  # greedy argmax survives an inf: bare answers fine
+        for fault in ("nan_logits", "inf_logits"):
+            if give_up:
+                outs.append(_crafted("guarded", k, fault, text=FALLBACK_TEXT, ids=[], fallback=True, rungs=[]))
+            else:
+                outs.append(_crafted("guarded", k, fault, rungs=["int4", "fp32", "fp32"], cont=True))
+    return outs
+
+
+def test_a_guard_that_gives_up_fails_the_verdict_and_the_guard_that_does_not_passes():
+    from qladder.validate.recompute import figures
+
+    good = figures(_run(give_up=False), "in-process")
+    assert good["verdict"] == "pass", [v for v in good["verdicts"] if v["status"] != "pass"]
+    bad = figures(_run(give_up=True), "in-process")
+    for split in ("train", "test"):
+        b, g = bad["crafted"][split]["bare"], bad["crafted"][split]["guarded"]
+        assert g["answered_clean_rate"] < b["answered_clean_rate"]
+        assert g["garbage"] == 0 and g["fallback"] == 8
+    failed = {v["name"] for v in bad["verdicts"] if v["status"] == "fail"}
+    assert bad["verdict"] == "fail"
+    assert {"train: guarded fallback answers", "test: answered clean, guarded minus bare",
+            "train: greedy faulted answers token-identical to fp32's continuation"} <= failed
+
+
+def test_a_failed_request_counts_as_the_slowest_latency_and_500_requests_are_needed():
+    from qladder.validate.recompute import figures, latency_side
+
+    outs = [_normal("bare", p, 0, 100.0) for p in range(10)] + [_normal("bare", 10, 0, 900.0)]
+    failed = _normal("bare", 11, 0, 1.0, status="error")
+    side = latency_side([*outs, failed], slowest=900.0)
+    assert side["failed"] == 1 and side["p99_ms"] == pytest.approx(900.0)
+    f = figures(_run(give_up=False, prompts=20, rounds=3), "in-process")
+    pooled = next(v for v in f["verdicts"] if v["name"].startswith("latency: pooled"))
+    assert pooled["status"] == "insufficient" and f["verdict"] == "fail"
+    assert f["latency"]["ratios"]["aa_over_bare"]["per_prompt_p99"] == pytest.approx(1.0)
+
+
+def test_garbage_is_shown_raw_and_net_of_fp32s_own_for_bare_and_guarded_alike():
+    from qladder.validate.recompute import row
+
+    own = [_crafted(c, 0, None, text="ha" * 10, ids=[1, 2] * 10) for c in ("bare", "guarded")]
+    for o in own:
+        o.fp32_identical = True
+    ours = _crafted("bare", 2, "nan_logits", text="", ids=[0] * 6)
+    r = row([own[0], ours])
+    assert (r["garbage"], r["garbage_fp32_identical"], r["garbage_net"]) == (2, 1, 1)
+    assert row([own[1]])["garbage_net"] == 0
+
+
+def test_recompute_reproduces_the_stored_figures_and_finds_any_change(tmp_path, capsys):
+    from qladder.validate import recompute
+    from qladder.validate.runner import write_outputs
+
+    write_outputs(tmp_path, _run(give_up=False, prompts=10, rounds=2), "in-process", {"kind": "in-process"})
+    assert recompute.main([str(tmp_path)]) == 0
+    assert "reproduced exactly" in capsys.readouterr().out
+    assert recompute.main([str(tmp_path), "--check"]) == 1  # 20 requests per side: not a pass
+    lines = (tmp_path / "outcomes.jsonl").read_text().splitlines()
+    edited = json.loads(lines[3])
+    edited["latency_ms"] += 1e-6
+    (tmp_path / "outcomes.jsonl").write_text("\n".join([*lines[:3], json.dumps(edited), *lines[4:]]) + "\n")
+    assert recompute.main([str(tmp_path)]) == 1
+    assert "DIFFERS" in capsys.readouterr().out
 
 
 # -- the real model: bare vs guarded on the same prompts ----------------------------------------------
@@ -279,42 +435,58 @@ def test_paired_ratio_and_agreement():
 def configs():
     from qladder.config import Settings
     from qladder.model import inspect_model
-    from qladder.validate.replay import serve
+    from qladder.validate.replay import serve_bare, serve_guarded
 
-    se, bare, guarded = serve(inspect_model(), get_engine("fp32"), Settings.from_env(), None)
+    info, settings = inspect_model(), Settings.from_env()
+    bare, guarded = serve_bare(info, settings), serve_guarded(info, get_engine("fp32"), settings, None)
     yield bare, guarded
-    se.close()
+    bare.se.close()
+    guarded.se.close()
+
+
+def _one(cfg, p, fault=None, max_tokens=8):
+    from qladder.sampling import SamplingParams
+
+    o = Outcome("t", cfg.name, p.id, p.cls, "abnormal", fault=fault)
+    ids = cfg.run(p, o, [parse_fault(fault)] if fault else [], SamplingParams(max_tokens=max_tokens))
+    o.judge()
+    return o, ids
 
 
 @pytest.mark.slow
 def test_guarded_clean_and_bare_broken_under_faults(configs):
-    from qladder.sampling import SamplingParams
-
     bare, guarded = configs
-    params = SamplingParams(max_tokens=8)
     prompts = [*corpora.subset(corpora.normal_prompts(), {"qa": 1, "math": 1}),
                corpora.Prompt("bytes", "control_bytes", b"\x00\xff\xfeWhat is 2 + 2?")]
-    for fault, spec in (("nan", "nan@step=2"), ("error", "error@step=2")):
-        faults = [parse_fault(spec)]
-        b = [bare.run(p, "abnormal", fault, faults, params) for p in prompts]
-        g = [guarded.run(p, "abnormal", fault, faults, params) for p in prompts]
-        assert all(o.status == "ok" and not o.garbage for o in g), [(o.status, o.garbage) for o in g]
-        assert all(o.handoff_ms and "fp32" in o.token_rungs for o in g)
-        if fault == "nan":
-            assert all(o.status == "ok" and "token0_flood" in o.garbage for o in b)
+    for spec in ("nan@step=2", "error@step=2"):
+        b = [_one(bare, p, spec)[0] for p in prompts]
+        g = [_one(guarded, p, spec)[0] for p in prompts]
+        assert all(o.ok and o.answered_clean for o in g), [(o.status, o.verdict) for o in g]
+        assert all(o.handoff_ms and o.rungs[:2] == ["int4", "int4"] and "fp32" in o.rungs for o in g)
+        if spec.startswith("nan"):
+            assert all(o.ok and "token0_flood" in o.reasons for o in b)
         else:
-            assert all(o.status == "error" and o.error_kind.startswith("engine_error") for o in b)
-    clean = [guarded.run(p, "normal", "none", [], params) for p in prompts[:2]]
-    assert all(not o.handoff_ms and set(o.token_rungs) == {"int4"} for o in clean)
+            assert all(o.status == "error" and o.error.startswith("engine_error") for o in b)
+    clean = [_one(guarded, p)[0] for p in prompts[:2]]
+    assert all(not o.handoff_ms and set(o.rungs) == {"int4"} for o in clean)
+
+
+@pytest.mark.slow
+def test_bare_sends_raw_bytes_as_their_tokens_and_guarded_sanitizes_them(configs):
+    bare, guarded = configs
+    p = corpora.Prompt("bytes", "control_bytes", b"\x00\xff\xfeWhat is 2 + 2?")
+    o, ids = _one(bare, p)
+    vocab = bare.se.int4
+    assert vocab.detokenize_bytes(ids).count(b"\x00") == 1 and "\\xff" in o.prompt  # the byte itself
+    g, gids = _one(guarded, p)
+    assert b"\x00" not in vocab.detokenize_bytes(gids) and "\x00" not in g.prompt
 
 
 @pytest.mark.slow
 def test_bare_refuses_over_long(configs):
-    from qladder.sampling import SamplingParams
-
     bare, _ = configs
-    long = corpora.Prompt("long", "over_long", "word " * 3000)
-    assert bare.run(long, "abnormal", "none", [], SamplingParams(max_tokens=2)).status == "rejected"
+    o, _ = _one(bare, corpora.Prompt("long", "over_long", "word " * 3000), max_tokens=2)
+    assert o.status == "rejected" and o.four_xx
 
 
 def test_precision_trace_on_scripted_engine():
@@ -340,36 +512,37 @@ def test_cli_rejects_a_malformed_fault_before_loading(tmp_path):
 
 
 @pytest.mark.slow
-def test_validate_end_to_end_writes_results_and_report(tmp_path):
+def test_validate_end_to_end_writes_outcomes_results_and_report(tmp_path):
+    from qladder.validate import recompute
+    from qladder.validate.outcome import read_jsonl
     from qladder.validate.runner import ValidateConfig, validate
 
     cfg = ValidateConfig(quick=True, max_tokens=6, normal_per_class=1,
-                         abnormal_per_class={"control_bytes": 1, "long_math": 1}, fault_names=("nan@step=1",),
-                         prompts_per_fault=2, rounds=1, warmup=1, reference_prompts=2, sweep_xs=(1.0, 3.0),
-                         sweep_prompts=1, sweep_tokens=2, level_prompts=1, level_rounds=1, level_tokens=3,
-                         monitor_rounds=1, monitor_tokens=2, n_ctx=512, replay_jobs=3, replay_max_tokens=2)
+                         abnormal_per_class={"control_bytes": 2, "long_math": 2},
+                         fault_names=("nan_logits", "zero_logits_prefill"), prompts_per_fault=1, rounds=1, warmup=1,
+                         reference_prompts=2, sweep_xs=(1.0, 3.0), sweep_prompts=1, sweep_tokens=2, level_prompts=1,
+                         level_rounds=1, level_tokens=3, monitor_rounds=1, monitor_tokens=2, n_ctx=512,
+                         replay_jobs=3, replay_max_tokens=2)
     r = validate(cfg, tmp_path, show_progress=False)
-    for name in ("results.json", "report.md", "report.html", "outcomes.jsonl", "incidents.sqlite3"):
+    for name in ("results.json", "boundaries.json", "report.md", "report.html", "outcomes.jsonl", "incidents.sqlite3"):
         assert (tmp_path / name).is_file(), name
-    on_disk = json.loads((tmp_path / "results.json").read_text())
-    assert on_disk["guarded"]["garbage_rate"] == 0.0 and on_disk["guarded"]["error_rate"] == 0.0
-    assert r["bare"]["by_fault"]["custom:nan@step=1"]["garbage_rate"] == 1.0
-    assert r["guarded"]["handoff"]["count"] >= 2
-    assert r["precision_boundary"]["boundary"]["w4a16"]["first_nonfinite_x"] == 3.0
+    assert recompute.main([str(tmp_path)]) == 0
+    outs = read_jsonl(tmp_path / "outcomes.jsonl")
+    assert {o.config for o in outs} == {"bare", "bare_aa", "guarded"}
+    assert {o.phase for o in outs} == {"warmup", "normal", "abnormal", "faulted"}
+    faulted = [o for o in outs if o.phase == "faulted"]
+    assert {(o.fault, o.fault_set, o.split) for o in faulted} == {("nan_logits", "train", "train"),
+                                                                   ("zero_logits_prefill", "test", "test")}
+    f = r["figures"]
+    for split in ("train", "test"):
+        assert f["crafted"][split]["guarded"]["garbage_net"] == 0 and f["crafted"][split]["guarded"]["five_xx"] == 0
+        assert f["crafted"][split]["bare"]["garbage"] >= 1
+        assert f["quality"][split]["share"] == 1.0
+    assert all(o.verdict.get("scored") for o in outs if o.phase != "warmup" and o.ok and o.token_ids)
+    assert all(o.fp32_identical is not None for o in outs if o.population == "abnormal" and o.ok)
+    b = json.loads((tmp_path / "boundaries.json").read_text())
+    assert b["precision"]["boundary"]["w4a16"]["first_nonfinite_x"] == 3.0
+    assert len(b["availability"]["concurrent_replay"]["points"]) == 2
     assert set(r["environment"]["versions"]) >= {"torch", "transformers", "llama_cpp_python", "gguf"}
-    assert r["garbage_judge"]["scored"] >= 2 and r["garbage_judge"]["clean_flagged"] == 0
-    replayed = r["availability_boundary"]["concurrent_replay"]["points"]
-    assert len(replayed) == 2 and all(p["jobs"] == 3 for p in replayed)
     html = (tmp_path / "report.html").read_text()
-    assert "<table>" in html and html.count("data:image/png;base64") == 5
-
-
-def test_rates_count_the_models_own_garbage_apart():
-    from qladder.validate.replay import Outcome
-    from qladder.validate.stats import rates
-
-    own = Outcome("guarded", "p1", "emoji", "abnormal", "none", "ok", garbage=["loop"], model_own=True)
-    ours = Outcome("guarded", "p2", "emoji", "abnormal", "nan_logits", "ok", garbage=["token0_flood"])
-    clean = Outcome("guarded", "p3", "qa", "abnormal", "none", "ok")
-    r = rates([own, ours, clean])
-    assert r["garbage"] == 2 and r["garbage_model_own"] == 1 and abs(r["garbage_beyond_fp32_rate"] - 1 / 3) < 1e-9
+    assert "<table>" in html and html.count("data:image/png;base64") == 5 and "Verdict" in html

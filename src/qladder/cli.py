@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from qladder.errors import QladderError
+from qladder.errors import ConfigError, QladderError
 
 if TYPE_CHECKING:
     from qladder.config import Settings
@@ -194,9 +194,10 @@ def validate(
     out: Annotated[Path, typer.Option(help="Folder for results.json, report.md, report.html, PNGs.")] = Path(
         "qladder-validate"),
     faults: Annotated[list[str] | None, typer.Option(
-        "--faults", help="Fault model names (nan_logits, inf_logits, zero_logits, kernel_error, stall, "
-                         "massive_activation, corrupted_scale, glitch_tokens) or raw fault specs like "
-                         "nan@step=2 (repeatable).")] = None,
+        "--faults", help="Fault model names (train: nan_logits, inf_logits, zero_logits, kernel_error, stall, "
+                         "massive_activation, corrupted_scale, inf_scale, glitch_tokens; test: nan_logits_late, "
+                         "... see qladder.validate.fault_models) or raw fault specs like nan@step=2 (repeatable; "
+                         "a raw spec joins the test set).")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Override the answer length.")] = None,
     corpus: Annotated[Path | None, typer.Option(help="Folder with normal.jsonl and abnormal.jsonl.")] = None,
     standby_share: Annotated[float, typer.Option("--standby-share", help="Standby share of capacity.")] = 0.2,
@@ -205,17 +206,20 @@ def validate(
                                                           "over llama-server + vLLM.")] = False,
     config: Annotated[Path | None, typer.Argument(help="With --remote: a run config (see "
                                                        "qladder/validate/remote_example.toml).")] = None,
-    beside: Annotated[Path | None, typer.Option(help="With --remote: an in-process results.json for the table "
-                                                     "beside (default: out/validate/results.json).")] = None,
+    check: Annotated[bool, typer.Option("--check", help="Exit 1 when a target is missed (the verdicts are "
+                                                        "printed and reported either way).")] = False,
 ) -> None:
-    """Replay the corpora through bare INT4 and the guarded ladder, and measure the three boundaries."""
+    """Replay the corpora through bare INT4 and the guarded ladder, and measure the three boundaries.
+
+    Writes outcomes.jsonl (every request) and results.json (every figure, computed from it:
+    `python -m qladder.validate.recompute OUT` recomputes and compares)."""
     from qladder.validate.fault_models import by_name
     from qladder.validate.runner import ValidateConfig
     from qladder.validate.runner import validate as run_validate
 
     _quiet_libraries()
     if remote:
-        _validate_remote(quick, out, config, max_tokens, corpus, progress, beside)
+        _validate_remote(quick, out, config, max_tokens, corpus, progress, check)
         return
     if config is not None:
         _fail("a CONFIG argument goes with --remote")
@@ -231,15 +235,24 @@ def validate(
     except QladderError as exc:
         _fail(str(exc))
         return
-    b, g = results["bare"], results["guarded"]
-    typer.echo(f"bare:    garbage {b['garbage_rate']:.1%}  5xx {b['error_rate']:.1%}")
-    typer.echo(f"guarded: garbage {g['garbage_rate']:.1%} (fp32 alone gives the same: {g['garbage_model_own']})  "
-               f"5xx {g['error_rate']:.1%}  false handoffs {g['false_handoff_rate']:.1%}")
+    _verdicts(results, out, check)
+
+
+def _verdicts(results: dict[str, object], out: Path, check: bool) -> None:
+    import sys
+
+    from qladder.validate.recompute import print_verdicts
+
+    f = results["figures"]
+    assert isinstance(f, dict)
+    print_verdicts(f)
     typer.echo(f"report:  {out / 'report.html'}")
+    if check and f["verdict"] != "pass":
+        sys.exit(1)
 
 
 def _validate_remote(quick: bool, out: Path, config: Path | None, max_tokens: int | None, corpus: Path | None,
-                     progress: bool, beside: Path | None) -> None:
+                     progress: bool, check: bool) -> None:
     import dataclasses
 
     from qladder.validate.remote import load_remote_config, validate_remote
@@ -250,20 +263,13 @@ def _validate_remote(quick: bool, out: Path, config: Path | None, max_tokens: in
         if max_tokens is not None:
             overrides["max_tokens"] = max_tokens
         cfg = dataclasses.replace(cfg, **overrides)  # type: ignore[arg-type]
-        beside = beside or Path("out/validate/results.json")
         if out == Path("qladder-validate"):
             out = Path("qladder-validate-remote")
-        results = validate_remote(cfg, out, show_progress=progress, log=lambda s: typer.echo(s, err=True),
-                                  beside=beside)
+        results = validate_remote(cfg, out, show_progress=progress, log=lambda s: typer.echo(s, err=True))
     except QladderError as exc:
         _fail(str(exc))
         return
-    b, g = results["bare"], results["guarded"]
-    typer.echo(f"bare llama-server: garbage {b['garbage_rate']:.1%}  5xx {b['error_rate']:.1%}")
-    typer.echo(f"qladder serve:     garbage {g['garbage_rate']:.1%} (fp32 alone gives the same: "
-               f"{g['garbage_model_own']})  5xx {g['error_rate']:.1%}  "
-               f"P99 gateway / bare {results['p99_ratio_gateway_over_bare'] or float('nan'):.3f}")
-    typer.echo(f"report:  {out / 'report.html'}")
+    _verdicts(results, out, check)
 
 
 @bench_app.command("serving")
@@ -275,6 +281,8 @@ def bench_serving(
     int4_threads: Annotated[int, typer.Option("--int4-threads")] = 1,
     standby_threads: Annotated[int, typer.Option("--standby-threads")] = 1,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds per level (tok/s: their median).")] = 2,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Also write outcomes.jsonl and results.json "
+                                                              "here (bench/check_serving.py OUT recomputes).")] = None,
 ) -> None:
     """Many requests at once: guarded vs bare vs a raw batched llama.cpp loop, and 10% faulted."""
     from qladder.benchmarks.serving import run_serving_bench
@@ -283,7 +291,7 @@ def bench_serving(
     try:
         levels = tuple(int(c) for c in concurrency.split(",") if c.strip())
         out = run_serving_bench(prompts, max_tokens, levels, fault_share, int4_threads, standby_threads,
-                                rounds=rounds)
+                                rounds=rounds, out_dir=out_dir)
     except (QladderError, ValueError) as exc:
         _fail(str(exc))
         return
@@ -311,13 +319,16 @@ def bench_calibrate(
 def bench_serve(
     duration: Annotated[float, typer.Option(help="Seconds of the faulted load.")] = 120.0,
     window: Annotated[float, typer.Option(help="Seconds per server per round in the comparison.")] = 60.0,
-    rounds: Annotated[int, typer.Option(help="Interleaved rounds of the comparison.")] = 2,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds of the comparison (5 x 60 s: >= 500 "
+                                             "requests per server for the pooled P99).")] = 5,
     clients: Annotated[int, typer.Option(help="Concurrent streaming clients.")] = 16,
     fault_share: Annotated[float, typer.Option("--fault-share")] = 0.1,
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 64,
     slots: Annotated[int, typer.Option(help="INT4 slots (llama-server -np).")] = 8,
     threads: Annotated[int, typer.Option(help="INT4 threads (llama-server -t/-tb).")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (always JSON).")] = True,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Also write outcomes.jsonl and results.json "
+                                                              "here (bench/check_serve.py OUT recomputes).")] = None,
 ) -> None:
     """Load test of `qladder serve` (guarded, faulted, burst; then guarded vs guard-off vs llama-server)."""
     from qladder.benchmarks.serve_load import run_serve_bench
@@ -325,7 +336,7 @@ def bench_serve(
     _quiet_libraries()
     try:
         out = run_serve_bench(duration, window, rounds, clients, fault_share, max_tokens, slots, threads,
-                              log=lambda m: typer.echo(m, err=True))
+                              log=lambda m: typer.echo(m, err=True), out_dir=out_dir)
     except (QladderError, RuntimeError) as exc:
         _fail(str(exc))
         return
@@ -382,6 +393,50 @@ def serve(
     typer.echo(f"qladder: serving {t.server.model_name} on http://{host}:{port}/v1 "
                f"(pools: {', '.join(p.name + '=' + '+'.join(p.rungs) for p in t.pools)})", err=True)
     run(server, host, port, log_level)
+
+
+faults_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                         help="Faults for testing a guard on one's own model (validation tools).")
+app.add_typer(faults_app, name="faults")
+
+
+@faults_app.command("patch-gguf")
+def faults_patch_gguf(
+    model: Annotated[Path, typer.Argument(help="The GGUF to copy (Q4_0, Q4_1 or Q8_0 tensors).")],
+    out: Annotated[Path, typer.Argument(help="Where to write the patched copy.")],
+    tensor: Annotated[str | None, typer.Option(help="The tensor whose block scales to patch, e.g. "
+                                                    "blk.11.ffn_down.weight.")] = None,
+    rows: Annotated[str, typer.Option(help="Rows: all, 5, 0-3 or 0-3,7,10-12.")] = "all",
+    blocks: Annotated[str, typer.Option(help="Quantization blocks of each row: all, 0, 0-3, ...")] = "all",
+    scale: Annotated[float | None, typer.Option(help="Multiply each chosen block's scale (or, with "
+                                                     "--glitch-tokens, each embedding) by this.")] = None,
+    set_value: Annotated[str | None, typer.Option("--set", help="Set each chosen block's scale to this "
+                                                                "(a number, or inf).")] = None,
+    glitch_tokens: Annotated[str | None, typer.Option(
+        "--glitch-tokens", help="Instead of a tensor: scale the input embeddings of these tokens (byte-fallback, "
+                                "partial-utf8, or ids like 100,200-210) by --scale, the output matrix untied.")] = None,
+) -> None:
+    """Write a patched copy of a GGUF: corrupted quantization scales or glitch-token embeddings,
+    to run through llama.cpp's real kernels (llama-server -m OUT, or `qladder validate`)."""
+    from qladder.validate.gguf_patch import glitch_gguf, patch_scales
+
+    try:
+        if glitch_tokens is not None:
+            if tensor is not None or set_value is not None or scale is None:
+                raise ConfigError("--glitch-tokens takes --scale X, and no --tensor or --set")
+            change = glitch_gguf(model, out, x=scale, tokens=glitch_tokens)
+        else:
+            if tensor is None or (scale is None) == (set_value is None):
+                raise ConfigError("give --tensor and exactly one of --scale X or --set VALUE (or --glitch-tokens)")
+            try:
+                value = None if set_value is None else float(set_value)
+            except ValueError as exc:
+                raise ConfigError(f"--set {set_value!r} is not a number") from exc
+            change = patch_scales(model, out, tensor, rows, blocks, x=scale, value=value)
+    except (QladderError, OSError) as exc:
+        _fail(str(exc))
+        return
+    typer.echo(json.dumps({"wrote": str(out), **change}, default=str))
 
 
 incidents_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The incident store: list, show, replay.")

@@ -1,10 +1,11 @@
 """`qladder bench calibrate`: the guard's thresholds against clean traffic, and the false-handoff rate.
 
-Replays normal prompts (corpora/normal.jsonl) through the production ladder (int4 -> fp32, default
-guard) and records, for every step on every rung, the statistics the guard thresholds: the row's
-`max - mean` gap (the flat check), its largest |logit| (magnitude) and the per-layer activation
-peaks against the dtype's limit. Reports their extremes next to the preset's thresholds (the
-margin each keeps), which checks fired, and the share of clean requests that climbed a rung.
+Replays the train half of the normal prompts (corpora/normal.jsonl; validation scores the other
+half) through the production ladder (int4 -> fp32, default guard) and records, for every step on
+every rung, the statistics the guard thresholds: the row's `max - mean` gap (the flat check), its
+largest |logit| (magnitude) and the per-layer activation peaks against the dtype's limit. Reports
+their extremes next to the preset's thresholds (the margin each keeps), which checks fired, and
+the share of clean requests that climbed a rung.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def load_prompts(path: Path = CORPORA / "normal.jsonl", limit: int | None = None
     """The prompts as a client sends them (raw bytes where the corpus holds bytes)."""
     from qladder.validate.corpora import read_jsonl
 
-    prompts = [p.prompt for p in read_jsonl(path)]
+    prompts = [p.prompt for p in read_jsonl(path) if p.split == "train"]  # validation scores the test half
     return prompts[:limit] if limit else prompts
 
 

@@ -1,10 +1,13 @@
 """`qladder bench serving`: many requests at once on the INT4 pool, guarded vs bare vs a raw loop.
 
-The same prompts (EOS ignored, so every answer is `max_tokens` long) run at each concurrency
-through the configurations below. Prompts are screened first (`_loop_free`): forced past its end
-a 135M model often loops, and the guard would end those answers early, which is its policy, not
-its cost; the prompts kept are those whose raw greedy answer never loops by the guard's rules, so
-every configuration does the same work (the JSON records how many were screened and which kept).
+The same prompts (EOS ignored, so every answer runs to `max_tokens` unless the guard ends it) run
+at each concurrency through the configurations below, on two prompt sets:
+    all        the first `n_prompts` normal prompts, loops and all: forced past its end a 135M model
+               often loops, and the guard then ends the answer on its repetition rule (a check on the
+               next rung's greedy token); that is the guard's work, and it counts
+    screened   the prompts whose raw greedy answer never loops by the guard's rules (`_loop_free`), so
+               every configuration does the same work: beside the first, for reading
+Configurations:
     guarded          the serving engine with the default guard, standby fp32
     bare             the serving engine with the guard off and no standby (scheduler cost only)
     raw              a batched llama.cpp loop over the same engine API with no scheduler: decode
@@ -12,29 +15,30 @@ every configuration does the same work (the JSON records how many were screened 
                      system-turn prefix), argmax (the ceiling)
     guarded_faulted  guarded, with `fault_share` of the requests given `nan@step=K` (K seeded,
                      uniform in [1, max_tokens / 2]): they must end clean through the standby
-Clients are closed-loop: `concurrency` threads each take the next prompt when their last answer
-is done. Configurations rotate inside each concurrency level (interleaved), so slow drift of the
-machine hits them alike. Per request: TTFT (submit -> first accepted token) and the intervals
-between accepted tokens; aggregate tok/s = tokens / wall time of the level (median of the
-rounds); in the faulted run `unfaulted_tok_s` counts the tokens of the unfaulted requests only.
+Clients are closed-loop: `concurrency` threads each take the next prompt when their last answer is
+done. Each round visits every prompt set and concurrency level, the configurations rotated inside
+each (interleaved: slow drift of the machine hits them alike). Every request is one line of
+outcomes.jsonl (its window, start and end, TTFT, token intervals, ids, rungs); every figure,
+tok/s included (a window's tokens over its span), is computed from those lines by
+`qladder.validate.recompute` (`figures(outcomes, "bench-serving")`).
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-import statistics
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from qladder.benchmarks.common import environment, percentile
+from qladder.benchmarks.common import environment
 from qladder.config import Settings
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
-from qladder.faults import parse_fault
+from qladder.faults import Fault, parse_fault
 from qladder.health.guard import GUARD_PRESETS, GuardConfig
 from qladder.health.repetition import find_repetition
 from qladder.machine import LadderConfig
@@ -42,15 +46,33 @@ from qladder.model import inspect_model, user_prompt_ids
 from qladder.sampling import SamplingParams
 from qladder.serving import SchedulerConfig, ServingConfig, ServingEngine
 from qladder.serving.engine import template_prefix
-from qladder.validate.corpora import load_corpora, subset
+from qladder.validate.corpora import Prompt, load_corpora, subset
+from qladder.validate.outcome import Outcome
 
-Sample = tuple[float, list[float], int, bool, bool]  # ttft_s, token intervals (s), tokens, clean, faulted
+RUN = "bench-serving"
+Job = tuple[Prompt, list[int], Fault | None]
 
 
-def _closed_loop(n_clients: int, jobs: list[Any], run: Callable[[Any], Sample]) -> tuple[float, list[Sample]]:
+class Recorder:
+    """Outcomes of the run, appended by client threads under one lock; times from one clock."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.t0 = clock()
+        self.outcomes: list[Outcome] = []
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        return self.clock() - self.t0
+
+    def add(self, o: Outcome) -> None:
+        with self._lock:
+            self.outcomes.append(o)
+
+
+def _closed_loop(n_clients: int, jobs: list[Job], run: Callable[[Job], None]) -> None:
     lock = threading.Lock()
     todo = list(jobs)
-    out: list[Sample] = []
 
     def client() -> None:
         while True:
@@ -58,95 +80,106 @@ def _closed_loop(n_clients: int, jobs: list[Any], run: Callable[[Any], Sample]) 
                 if not todo:
                     return
                 job = todo.pop(0)
-            s = run(job)
-            with lock:
-                out.append(s)
+            run(job)
 
-    t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(n_clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return time.perf_counter() - t0, out
 
 
-def _serve(se: ServingEngine, params: SamplingParams) -> Callable[[Any], Sample]:
-    def run(job: Any) -> Sample:
-        ids, fault = job
-        r = se.generate_sync(se.request(ids, params, faults=[fault] if fault is not None else []))
-        intervals = [ms / 1e3 for ms in r.step_ms]
-        clean = r.finish_reason.value in ("stop", "length", "repetition") and not r.fallback
-        if fault is not None:  # a faulted request is clean only when the standby finished it
-            clean = clean and bool(r.handoffs) and r.token_rungs[-1] != "int4"
-        return r.timings.get("ttft_ms", float("nan")) / 1e3, intervals, len(r.token_ids), clean, fault is not None
+def _outcome(config: str, window: str, p: Prompt, fault: Fault | None, rnd: int, c: int, phase: str) -> Outcome:
+    return Outcome(RUN, config, p.id, p.cls, "normal", fault=str(fault) if fault else None, round=rnd, phase=phase,
+                   split=p.split, prompt=str(p.prompt), concurrency=c, window=window)
+
+
+def _serve(se: ServingEngine, params: SamplingParams, rec: Recorder, config: str, window: str, rnd: int, c: int,
+           phase: str) -> Callable[[Job], None]:
+    def run(job: Job) -> None:
+        p, ids, fault = job
+        o = _outcome(config, window, p, fault, rnd, c, phase)
+        o.start_s = rec.now()
+        try:
+            r = se.generate_sync(se.request(ids, params, faults=[fault] if fault is not None else []))
+            o.token_ids, o.rungs, o.text = list(r.token_ids), list(r.token_rungs), r.text
+            o.finish_reason, o.fallback = str(r.finish_reason), r.fallback
+            o.hazards, o.handoff_ms = [h.check for h in r.hazards], [h.latency_ms for h in r.handoffs]
+            o.ttft_ms, o.step_ms = r.timings.get("ttft_ms"), list(r.step_ms)
+            o.prompt_tokens = len(ids)
+        except Exception as exc:  # counted, never dropped
+            o.status, o.error = "error", f"{type(exc).__name__}: {exc}"[:160]
+        o.end_s = rec.now()
+        o.latency_ms = (o.end_s - o.start_s) * 1e3
+        o.judge()
+        rec.add(o)
 
     return run
 
 
-def _raw(engine: BatchedLlamaCpp, prompts: list[list[int]], concurrency: int, max_tokens: int
-         ) -> tuple[float, list[Sample]]:
+def _raw(engine: BatchedLlamaCpp, jobs: list[Job], concurrency: int, max_tokens: int, rec: Recorder, window: str,
+         rnd: int, phase: str) -> None:
     """A batched greedy loop with no scheduler, no guard, no events: the ceiling."""
-    waiting = list(range(len(prompts)))
+    waiting = list(range(len(jobs)))
     free = list(range(engine.n_slots))[:concurrency]
     active: dict[int, dict[str, Any]] = {}
-    out: list[Sample] = []
-    t0 = time.perf_counter()
-    asked = [t0] * concurrency  # when each client's next request was sent (closed loop)
+    asked = [rec.now()] * concurrency  # when each client's next request was sent (closed loop)
     while waiting or active:
         rows = [(slot, a) for slot, a in sorted(active.items()) if a["n"] > 0]
         if rows:
-            engine.decode([Entry(slot, [a["last"]], a["pos"]) for slot, a in rows])
-        now = time.perf_counter()
+            engine.decode([Entry(slot, [a["ids"][-1]], a["pos"]) for slot, a in rows])
+        now = rec.now()
         for slot, a in rows:
             a["pos"] += 1
-            a["last"] = int(np.argmax(engine.row(slot).numpy()))
+            a["ids"].append(int(np.argmax(engine.row(slot).numpy())))
             a["n"] += 1
             a["times"].append(now)
         for slot, a in list(active.items()):
             if a["n"] >= max_tokens:
                 ts = a["times"]
-                out.append((ts[0] - a["t"], [b - x for x, b in itertools.pairwise(ts)], a["n"], True, False))
+                o = _outcome("raw", window, a["prompt"], None, rnd, concurrency, phase)
+                o.start_s, o.end_s, o.latency_ms = a["t"], now, (now - a["t"]) * 1e3
+                o.ttft_ms, o.step_ms = (ts[0] - a["t"]) * 1e3, [(b - x) * 1e3 for x, b in itertools.pairwise(ts)]
+                o.token_ids, o.rungs = a["ids"], ["int4"] * len(a["ids"])
+                o.text, o.finish_reason, o.prompt_tokens = engine.detokenize(a["ids"]), "length", a["pos"]
+                o.judge()
+                rec.add(o)
                 engine.truncate(slot, 0)
                 free.append(slot)
                 del active[slot]
                 asked.append(now)  # that client sends its next request now
         if waiting and free:
             k, slot, t = waiting.pop(0), free.pop(0), asked.pop(0)
-            p = prompts[k]
-            held = engine.copy_prefix(slot) if tuple(p[:len(engine.prefix)]) == engine.prefix else 0
-            engine.decode([Entry(slot, p[held:], held)])  # a prompt alone, as the scheduler does
+            p, ids, _ = jobs[k]
+            held = engine.copy_prefix(slot) if tuple(ids[:len(engine.prefix)]) == engine.prefix else 0
+            engine.decode([Entry(slot, ids[held:], held)])  # a prompt alone, as the scheduler does
             first = int(np.argmax(engine.row(slot).numpy()))
-            active[slot] = {"pos": len(prompts[k]), "last": first, "n": 1, "t": t, "times": [time.perf_counter()]}
-    return time.perf_counter() - t0, out
+            active[slot] = {"pos": len(ids), "ids": [first], "n": 1, "t": t, "times": [rec.now()], "prompt": p}
+
+
+def _loops(toks: list[int], guard: GuardConfig) -> bool:
+    rules = ((guard.repetition_short_max_period, guard.repetition_short_min_repeats, guard.repetition_short_min_span),
+             (guard.repetition_max_period, guard.repetition_min_repeats, guard.repetition_min_span))
+    return any(find_repetition(toks[:i], guard.repetition_min_period, mp, rep, span) is not None
+               for mp, rep, span in rules for i in range(span, len(toks) + 1))
 
 
 def _loop_free(engine: BatchedLlamaCpp, candidates: list[list[int]], max_tokens: int, n: int,
-               guard: GuardConfig) -> tuple[list[list[int]], dict[str, Any]]:
-    """The first n candidates whose `max_tokens`-token greedy answer (EOS ignored) never repeats
-    itself by the guard's loop rules. Forced past its end, a 135M model often loops; the guard
-    then stops that answer early, which is its policy, not its cost: every configuration here
-    must do the same work. Greedy answers are bit-identical on every configuration (one KV
-    stream per slot), so the raw loop's tokens tell what the guard would see."""
+               guard: GuardConfig) -> tuple[list[int], dict[str, Any]]:
+    """The indices of the first n candidates whose `max_tokens`-token greedy answer (EOS ignored)
+    never repeats itself by the guard's loop rules. Greedy answers are bit-identical on every
+    configuration (one KV stream per slot), so the raw loop's tokens tell what the guard would see."""
     kept: list[int] = []
     start = 0
-    rules = ((guard.repetition_short_max_period, guard.repetition_short_min_repeats, guard.repetition_short_min_span),
-             (guard.repetition_max_period, guard.repetition_min_repeats, guard.repetition_min_span))
     slots = engine.n_slots
     for start in range(0, len(candidates), slots):
-        group = candidates[start:start + slots]
-        answers = _raw_answers(engine, group, max_tokens)
-        for k, toks in enumerate(answers):
-            loops = any(find_repetition(toks[:i], guard.repetition_min_period, mp, rep, span) is not None
-                        for mp, rep, span in rules for i in range(span, len(toks) + 1))
-            if not loops:
-                kept.append(start + k)
+        answers = _raw_answers(engine, candidates[start:start + slots], max_tokens)
+        kept += [start + k for k, toks in enumerate(answers) if not _loops(toks, guard)]
         if len(kept) >= n:
             break
-    kept = kept[:n]
-    return [candidates[k] for k in kept], {"candidates_screened": min(len(candidates), start + slots),
-                                           "kept": kept, "rule": "no loop by the default guard's repetition "
-                                           "rules within the answer (raw greedy, EOS ignored)"}
+    return kept[:n], {"candidates_screened": min(len(candidates), start + slots),
+                      "rule": "no loop by the default guard's repetition rules within the answer (raw greedy, "
+                              "EOS ignored)"}
 
 
 def _raw_answers(engine: BatchedLlamaCpp, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -164,26 +197,21 @@ def _raw_answers(engine: BatchedLlamaCpp, prompts: list[list[int]], max_tokens: 
     return out
 
 
-def _summary(runs: list[tuple[float, list[Sample]]]) -> dict[str, Any]:
-    """tok_s: the median over rounds of tokens / wall; latencies pooled over the rounds."""
-    samples = [s for _, ss in runs for s in ss]
-    rates = [sum(s[2] for s in ss) / wall for wall, ss in runs if wall]
-    others = [sum(s[2] for s in ss if not s[4]) / wall for wall, ss in runs if wall]
-    tokens = sum(s[2] for s in samples)
-    ttft = [s[0] * 1e3 for s in samples]
-    per_tok = [x * 1e3 for s in samples for x in s[1]]
-    return {"requests": len(samples), "tokens": tokens, "rounds": len(runs), "tok_s_rounds": rates,
-            "tok_s": statistics.median(rates) if rates else None,
-            "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
-            "token_p50_ms": percentile(per_tok, 50), "token_p99_ms": percentile(per_tok, 99),
-            "unfaulted_tok_s": statistics.median(others) if others else None,
-            "clean_answers": sum(s[3] for s in samples), "faulted": sum(s[4] for s in samples),
-            "faulted_clean_via_standby": sum(s[3] and s[4] for s in samples)}
+def _faulted(jobs: list[Job], share: float, max_tokens: int, rng: random.Random) -> list[Job]:
+    """Exactly round(share x prompts) of the jobs given `nan@step=K`, K seeded."""
+    hit = set(rng.sample(range(len(jobs)), max(1, round(share * len(jobs))) if share else 0))
+    return [(p, ids, parse_fault(f"nan@step={rng.randint(1, max_tokens // 2)}") if k in hit else None)
+            for k, (p, ids, _) in enumerate(jobs)]
 
 
 def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: tuple[int, ...] = (1, 4, 8, 16),
                       fault_share: float = 0.1, int4_threads: int = 1, standby_threads: int = 1,
-                      seed: int = 0, rounds: int = 2) -> dict[str, Any]:
+                      seed: int = 0, rounds: int = 2, out_dir: Path | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns results.json's content (and, with `out_dir`, writes outcomes.jsonl
+    and results.json there)."""
+    from qladder.validate.outcome import read_jsonl, write_jsonl
+    from qladder.validate.recompute import figures
+
     settings = Settings.from_env()
     info = inspect_model(None, settings.cache_dir)
     slots = max(concurrency)
@@ -196,64 +224,60 @@ def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: t
                                        ladder=LadderConfig(guard=GUARD_PRESETS["off"])), info, settings)
     raw = BatchedLlamaCpp(info, n_slots=slots, n_ctx=n_ctx, n_threads=int4_threads, native_dir=None)
     raw.cache_prefix(template_prefix(info, raw.tokenize))  # the same prefill work as the engine's
+    rec = Recorder()
     try:
         normal, _ = load_corpora()
         corpus = [p for p in subset(normal, max(1, -(-3 * n_prompts // 8))) if isinstance(p.prompt, str)]
-        candidates = [user_prompt_ids(info.chat_template, p.prompt, raw.tokenize) for p in corpus]
-        prompts, screened = _loop_free(raw, candidates, max_tokens, n_prompts, GUARD_PRESETS["default"])
-        screened["ids"] = [corpus[k].id for k in screened.pop("kept")]
+        candidates = [user_prompt_ids(info.chat_template, str(p.prompt), raw.tokenize) for p in corpus]
+        kept, screened = _loop_free(raw, candidates, max_tokens, n_prompts, GUARD_PRESETS["default"])
+        sets = {"all": [(corpus[k], candidates[k], None) for k in range(min(n_prompts, len(corpus)))],
+                "screened": [(corpus[k], candidates[k], None) for k in kept]}
+        screened["kept"] = [corpus[k].id for k in kept]
+        rng = random.Random(seed)
+        faulted = {name: _faulted(jobs, fault_share, max_tokens, rng) for name, jobs in sets.items()}
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        rng = random.Random(seed)  # exactly round(share x prompts) faulted requests, seeded
-        hit = set(rng.sample(range(len(prompts)), max(1, round(fault_share * len(prompts))) if fault_share else 0))
-        faulted = [parse_fault(f"nan@step={rng.randint(1, max_tokens // 2)}") if k in hit else None
-                   for k in range(len(prompts))]
-        n_faulted = len(hit)
         # Warm-up: one short pass of each configuration (page faults, caches, first-call costs).
-        warm = prompts[:2]
         short = SamplingParams(max_tokens=8, ignore_eos=True)
-        for se in (guarded, bare):
-            _closed_loop(2, [(p, None) for p in warm], _serve(se, short))
-        _raw(raw, warm, 2, 8)
-        configs: dict[str, Callable[[int], tuple[float, list[Sample]]]] = {
-            "guarded": lambda c: _closed_loop(c, [(p, None) for p in prompts], _serve(guarded, params)),
-            "bare": lambda c: _closed_loop(c, [(p, None) for p in prompts], _serve(bare, params)),
-            "raw": lambda c: _raw(raw, prompts, c, max_tokens),
-            "guarded_faulted": lambda c: _closed_loop(c, list(zip(prompts, faulted, strict=True)),
-                                                       _serve(guarded, params)),
-        }
-        results: dict[str, dict[str, Any]] = {k: {} for k in configs}
-        order = list(configs)
+        warm = sets["all"][:2]
+        for name, se in (("guarded", guarded), ("bare", bare)):
+            _closed_loop(2, warm, _serve(se, short, rec, name, f"warmup/{name}", 0, 2, "warmup"))
+        _raw(raw, warm, 2, 8, rec, "warmup/raw", 0, "warmup")
+        order = ["guarded", "bare", "raw", "guarded_faulted"]
         k = 0
-        for c in concurrency:
-            runs: dict[str, list[tuple[float, list[Sample]]]] = {name: [] for name in order}
-            for _ in range(rounds):
-                for name in order[k % len(order):] + order[: k % len(order)]:  # rotated: interleaved
-                    runs[name].append(configs[name](c))
-                k += 1
-            for name, rs in runs.items():
-                results[name][str(c)] = _summary(rs)
-        g = results["guarded"]
-
-        def ratio(a: Any, b: Any) -> float | None:
-            return a / b if a and b else None
-
-        ratios = {"guarded_c8_over_c1": ratio(g.get("8", {}).get("tok_s"), g.get("1", {}).get("tok_s")),
-                  "guarded_over_raw_c8": ratio(g.get("8", {}).get("tok_s"), results["raw"].get("8", {}).get("tok_s")),
-                  "guarded_over_bare_c8": ratio(g.get("8", {}).get("tok_s"), results["bare"].get("8", {}).get("tok_s")),
-                  "faulted_over_guarded_c8": ratio(results["guarded_faulted"].get("8", {}).get("tok_s"),
-                                                   g.get("8", {}).get("tok_s"))}
-        return {"benchmark": "serving", "environment": environment(int4_threads),
-                "setup": {"prompts": len(prompts), "prompt_screen": screened, "max_tokens": max_tokens,
-                          "ignore_eos": True, "greedy": True,
+        for r in range(rounds):
+            for name, jobs in sets.items():
+                for c in concurrency:
+                    for config in order[k % 4:] + order[:k % 4]:  # rotated: interleaved
+                        window = f"{name}/{config}/c{c}/r{r}"
+                        if config == "raw":
+                            _raw(raw, jobs, c, max_tokens, rec, window, r, name)
+                        else:
+                            se = bare if config == "bare" else guarded
+                            todo = faulted[name] if config == "guarded_faulted" else jobs
+                            _closed_loop(c, todo, _serve(se, params, rec, config, window, r, c, name))
+                    k += 1
+        head = {"benchmark": "serving", "environment": environment(int4_threads),
+                "setup": {"prompt_sets": {n: len(j) for n, j in sets.items()}, "prompt_screen": screened,
+                          "max_tokens": max_tokens, "ignore_eos": True, "greedy": True,
                           "concurrency": list(concurrency), "slots": slots, "n_ctx_per_slot": n_ctx,
                           "int4_threads": int4_threads, "standby_threads": standby_threads,
-                          "standby": "fp32, 4 sessions round-robin", "faulted_requests": n_faulted,
+                          "standby": "fp32, 4 sessions round-robin",
+                          "faulted_requests": {n: sum(f is not None for _, _, f in j) for n, j in faulted.items()},
                           "fault": "nan@step=K, K uniform in [1, max_tokens/2], seeded", "seed": seed,
-                          "warm_up": "2 prompts x 8 tokens per configuration",
-                          "order": "configurations rotate within each concurrency level", "rounds": rounds,
-                          "clients": "closed loop, one thread per client"},
-                "results": results, "ratios": ratios}
+                          "warm_up": "2 prompts x 8 tokens per configuration (written, not counted)",
+                          "order": "each round: every prompt set and concurrency level, the configurations "
+                                   "rotated within each", "rounds": rounds,
+                          "clients": "closed loop, one thread per client"}}
     finally:
         guarded.close()
         bare.close()
         raw.close()
+    if out_dir is None:
+        return {**head, "figures": figures(rec.outcomes, RUN)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out_dir / "outcomes.jsonl", rec.outcomes)
+    results = {**head, "figures": figures(read_jsonl(out_dir / "outcomes.jsonl"), RUN)}
+    import json
+
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    return results

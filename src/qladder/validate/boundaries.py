@@ -40,8 +40,8 @@ from qladder.engines.base import Engine
 from qladder.faults import Fault, engine_faults
 from qladder.health.guard import GUARD_PRESETS, GuardConfig, StepGuard
 from qladder.ladder import Ladder, LadderConfig
+from qladder.percentiles import mean, percentile, ratio
 from qladder.sampling import SamplingParams
-from qladder.validate.stats import mean, percentile, ratio
 
 Tick = Callable[[], None]
 

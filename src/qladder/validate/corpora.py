@@ -20,6 +20,10 @@ Abnormal classes, the inputs the original incident report named:
 
 Within each class, items come shortest-first for the first few, so a quick subset (the first
 items of each class) stays cheap to replay.
+
+Every prompt belongs to one half (`Prompt.split`): items with an odd number in their class are
+`train` (what calibration scripts may tune bounds on), even ones `test` (held out: validation
+reports its faults on them apart). A quick subset's first two items of a class are one of each.
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ class Prompt:
     cls: str
     prompt: str | bytes
 
+    @property
+    def split(self) -> str:
+        """train (odd item number within its class) or test (even): see the module docstring."""
+        return split_of(self.id)
+
     def to_json(self) -> dict[str, str]:
         if isinstance(self.prompt, bytes):
             readable = self.prompt.decode("utf-8", "backslashreplace")
@@ -57,6 +66,16 @@ class Prompt:
         if "bytes_b64" in d:
             return cls(d["id"], d["class"], base64.b64decode(d["bytes_b64"]))
         return cls(d["id"], d["class"], d["prompt"])
+
+
+def split_of(prompt_id: str) -> str:
+    """The half of a corpus prompt by its id's item number (`n-qa-003` -> train)."""
+    tail = prompt_id.rsplit("-", 1)[-1]
+    return "train" if tail.isdigit() and int(tail) % 2 else "test"
+
+
+def train(prompts: list[Prompt]) -> list[Prompt]:
+    return [p for p in prompts if p.split == "train"]
 
 
 # -- normal traffic ---------------------------------------------------------------------------------

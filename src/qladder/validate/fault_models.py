@@ -8,9 +8,15 @@ failures came on very long math, code and abnormal Unicode), assigned round-robi
 model meets several prompt classes.
 
 A model with `gguf_patch` is not a per-request fault: the replay writes a patched copy of the
-GGUF (`qladder.faults.GGUF_PATCHES`: a corrupted scale, or glitch-token embeddings) and serves
-that model's prompts, bare and guarded, from an int4 engine loaded on the copy. A model with
-`classes` is attached only to prompts of those classes (its trigger is in their text).
+GGUF (`qladder.validate.gguf_patch.GGUF_PATCHES`: corrupted scales, or glitch-token embeddings)
+and serves that model's prompts, bare and guarded, from an int4 engine loaded on the copy. A
+model with `classes` is attached only to prompts of those classes (its trigger is in their text).
+
+Two sets, never mixed: `train` (the models the guard's bounds and the calibration scripts under
+`bench/` were tuned on: layer 11's ffn_down row 507 x1000 and inf, the byte-fallback glitch tokens
+x1000, NaN/Inf/zero rows and errors at step 4, ...) is attached to the corpora's train prompts;
+`test` (other tensors, rows, blocks and factors, several rows at once, other glitch tokens, other
+steps) to the held-out test prompts. The report shows each set on its own.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class FaultModel:
     gguf_patch: tuple[tuple[str, str | int | float], ...] | None = None  # GGUF_PATCHES[patch] kwargs
     patch: str = "scale"  # which of qladder.faults.GGUF_PATCHES writes the copy
     classes: tuple[str, ...] | None = None  # attach only to prompts of these classes
+    fault_set: str = "train"  # train | test (see the module docstring)
 
     @property
     def faults(self) -> list[Fault]:
@@ -41,7 +48,7 @@ class FaultModel:
         return {"name": self.name, "specs": list(self.specs), "phenomenon": self.phenomenon,
                 "mechanism": self.mechanism, "trigger": self.trigger,
                 "gguf_patch": ({"patch": self.patch, **dict(self.gguf_patch)} if self.gguf_patch else None),
-                "classes": list(self.classes) if self.classes else None}
+                "classes": list(self.classes) if self.classes else None, "fault_set": self.fault_set}
 
 
 FAULT_MODELS: tuple[FaultModel, ...] = (
@@ -85,7 +92,7 @@ FAULT_MODELS: tuple[FaultModel, ...] = (
         "32 weights of one Q4_1 block become 1000x too large, so one output channel of layer 11's "
         "FFN carries an outlier at every position.",
         "A copy of the GGUF with the fp16 scale of block 0 of blk.11.ffn_down.weight, row 507, "
-        "multiplied by 1000 (qladder.faults.corrupt_gguf_scale); both configurations run an int4 "
+        "multiplied by 1000 (qladder.validate.gguf_patch.corrupt_gguf_scale); both configurations run an int4 "
         "engine loaded on the copy: llama.cpp's real kernels on corrupted weights.",
         trigger="the prompts assigned to it are served by the corrupted copy",
         gguf_patch=(("tensor", "blk.11.ffn_down.weight"), ("row", 507), ("block", 0), ("x", 1000.0))),
@@ -95,7 +102,7 @@ FAULT_MODELS: tuple[FaultModel, ...] = (
         "the next layer's NaN, and every logit NaN. llama-server then answers '......' (token 30 "
         "repeated) with HTTP 200, every logprob null and top-k ids 0, 1, 2.",
         "A copy of the GGUF with the fp16 scale of block 0 of blk.11.ffn_down.weight, row 507, set "
-        "to +inf (qladder.faults.inf_scale_gguf); llama.cpp's real kernels on the copy.",
+        "to +inf (qladder.validate.gguf_patch.inf_scale_gguf); llama.cpp's real kernels on the copy.",
         trigger="the prompts assigned to it are served by the corrupted copy", quick=False,
         gguf_patch=(("tensor", "blk.11.ffn_down.weight"), ("row", 507), ("block", 0)), patch="inf_scale"),
     FaultModel(
@@ -106,7 +113,7 @@ FAULT_MODELS: tuple[FaultModel, ...] = (
         "outlier in the residual stream from the first layer on.",
         "A copy of the GGUF whose input embeddings of those tokens are multiplied by 1000 (max "
         "|value| ~1,350; clean layers 10-12 stay near 110), with the output matrix untied so the "
-        "logits are unchanged (qladder.faults.glitch_gguf); llama.cpp's real kernels on the copy. "
+        "logits are unchanged (qladder.validate.gguf_patch.glitch_gguf); llama.cpp's real kernels on the copy. "
         "At x = 100 answers already change while every layer stays under its bound (3x its clean "
         "max); at x = 1000 only a per-layer bound sees it (the peaks, ~600-750, stay under the "
         "global 2,000).",
@@ -118,12 +125,63 @@ FAULT_MODELS: tuple[FaultModel, ...] = (
 )
 
 
-def by_name(names: Sequence[str] | None = None, quick: bool = False) -> list[FaultModel]:
-    """The named models (all of them, or the quick set), in catalogue order."""
-    models = [m for m in FAULT_MODELS if not quick or m.quick]
+_SCALE_TRIGGER = "the prompts assigned to it are served by the patched copy"
+
+# The held-out set: the same phenomena, other places and sizes. Chosen before any run scored them.
+TEST_FAULT_MODELS: tuple[FaultModel, ...] = (
+    FaultModel("nan_logits_late", ("nan@step=9",), "All-NaN logits (an FP16 overflow), later in the answer.",
+               "FaultySession: NaN rows from generated token 9 on.", fault_set="test"),
+    FaultModel("inf_logits_early", ("inf@step=1",), "+Inf in the logits row, near the start.",
+               "FaultySession: the row's largest logit +Inf from token 1 on.", fault_set="test"),
+    FaultModel("zero_logits_prefill", ("zero@step=0",), "All-zero finite logits from the first row on (RMSNorm "
+               "overflow in FP32 at prefill).", "FaultySession: zero rows from token 0 on.", fault_set="test"),
+    FaultModel("kernel_error_late", ("error@step=7",), "A kernel error later in the answer.",
+               "FaultySession raises EngineError at token 7.", fault_set="test"),
+    FaultModel("stall_3s", ("stall@step=5,s=3",), "A hung kernel: one step takes 3 s.",
+               "The step of token 5 hangs 3 s (past the 2 s deadline).", fault_set="test"),
+    FaultModel("massive_activation_l20", ("gain@layer=20,channel=507,x=2.2",),
+               "An amplified massive activation in a later layer (20 instead of 11).",
+               "Control vector: (2.2 - 1) x 24,900 added to channel 507 at layer 20's output, every position.",
+               fault_set="test"),
+    FaultModel("scale_x30_rows", (), "A bad conversion of several rows: every block of rows 0-7 of layer 5's "
+               "ffn_down has its scale x30.", "patch_scales(blk.5.ffn_down.weight, rows 0-7, all blocks, x30).",
+               trigger=_SCALE_TRIGGER, fault_set="test", patch="scales",
+               gguf_patch=(("tensor", "blk.5.ffn_down.weight"), ("rows", "0-7"), ("blocks", "all"), ("x", 30.0))),
+    FaultModel("scale_x100_attn", (), "A corrupted scale in an attention projection: 4 blocks of one row of "
+               "layer 20's attn_output x100.", "patch_scales(blk.20.attn_output.weight, row 300, blocks 0-3, x100).",
+               trigger=_SCALE_TRIGGER, fault_set="test", patch="scales",
+               gguf_patch=(("tensor", "blk.20.attn_output.weight"), ("rows", "300"), ("blocks", "0-3"),
+                           ("x", 100.0))),
+    FaultModel("scale_x1e4_gate", (), "A scale blown to fp16's range in an early layer: one block of layer 3's "
+               "ffn_gate, row 42, x10,000 (clipped at 65,504).",
+               "patch_scales(blk.3.ffn_gate.weight, row 42, block 1, x1e4).",
+               trigger=_SCALE_TRIGGER, fault_set="test", patch="scales",
+               gguf_patch=(("tensor", "blk.3.ffn_gate.weight"), ("rows", "42"), ("blocks", "1"), ("x", 1e4))),
+    FaultModel("inf_scale_l17", (), "A scale that became +inf in another layer and tensor: layer 17's ffn_up, "
+               "rows 100-101, block 2.", "patch_scales(blk.17.ffn_up.weight, rows 100-101, block 2, value inf).",
+               trigger=_SCALE_TRIGGER, fault_set="test", patch="scales", quick=False,
+               gguf_patch=(("tensor", "blk.17.ffn_up.weight"), ("rows", "100-101"), ("blocks", "2"),
+                           ("value", float("inf")))),
+    FaultModel("glitch_partial_utf8", (), "Other glitch tokens: the 200 multi-byte tokens that are not whole "
+               "UTF-8 characters (an emoji's merged first bytes), their input embeddings x300.",
+               "glitch_gguf(tokens=partial-utf8, x=300), output untied.", patch="glitch", fault_set="test",
+               trigger="prompts whose tokens include one: emoji ZWJ sequences (kept by the sanitizer) and "
+                       "zero-width text (removed by it, so only bare meets the fault there)",
+               gguf_patch=(("x", 300.0), ("tokens", "partial-utf8")),
+               classes=("emoji_zwj", "unicode_zero_width_bidi_homoglyph")),
+)
+ALL_FAULT_MODELS = FAULT_MODELS + TEST_FAULT_MODELS
+FAULT_SETS = ("train", "test")
+
+
+def by_name(names: Sequence[str] | None = None, quick: bool = False,
+            fault_sets: Sequence[str] = FAULT_SETS) -> list[FaultModel]:
+    """The named models (all of them, or the quick set, of `fault_sets`), in catalogue order. A
+    raw spec string is a custom model of the test set."""
+    models = [m for m in ALL_FAULT_MODELS if (not quick or m.quick) and m.fault_set in fault_sets]
     if not names:
         return models
-    known = {m.name: m for m in FAULT_MODELS}
+    known = {m.name: m for m in ALL_FAULT_MODELS}
     out = []
     for n in names:
         if n in known:
@@ -131,7 +189,7 @@ def by_name(names: Sequence[str] | None = None, quick: bool = False) -> list[Fau
         else:  # a raw spec string: a custom model
             parse_fault(n)  # raises ConfigError with the expected shape
             out.append(FaultModel(f"custom:{n}", (n,), "user-supplied fault spec", "see qladder.faults",
-                                  trigger="attached to abnormal prompts, round-robin"))
+                                  trigger="attached to abnormal prompts, round-robin", fault_set="test"))
     return out
 
 

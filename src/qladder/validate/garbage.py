@@ -1,62 +1,88 @@
 """The offline judge of one answer: is it garbage? Pure functions on text and token ids.
 
-An answer is garbage when it shows any of the incident's symptoms:
+The judge never sees the logits and does not use the step guard's rules, so "guarded garbage 0%"
+cannot hold by construction. An answer is garbage when it shows any of these symptoms, judged
+from the ids and the text alone:
 
     nan_text          "NaN NaN NaN": three or more NaN words in a row
-    replacement_char  U+FFFD inside the text (a trailing one from a max_tokens cut mid-character
-                      is not counted)
+    replacement_char  U+FFFD anywhere in the answer (a cut mid-character included), unless the
+                      prompt itself, after sanitizing, holds one
+    control_chars     a run of CONTROL_RUN or more control characters (C0 other than tab, newline
+                      and carriage return; DEL; C1), unless the prompt holds that run
     black_squares     a run of three or more U+25A0 / U+25A1 / U+2588 / U+2B1B
-    loop              degenerate repetition, by measures the step guard does not use (the neural
-                      text degeneration literature): rep-4, the share of the answer's token
-                      4-grams that repeat an earlier one, at least LOOP_REP4 over at least
-                      LOOP_MIN_TOKENS tokens, and the text compresses well (zlib ratio at least
-                      LOOP_ZLIB; short texts, whose ratio zlib's overhead hides, by rep-4 alone).
-                      Calibrated on 64 normal prompts x 128 int4 tokens: clean answers reach rep-4
-                      0.43 / zlib 3.0 (a poem's refrain 0.68 / 3.98); the model's own loops
-                      ('a sanctuary of the soul, a sanctuary of ...') 0.77-0.82 / 5.6-6.1.
-                      The guard's rule (a periodic tail, `find_repetition`) is not used here, so
-                      "guarded loops 0%" does not hold by construction.
-    token0_flood      token id 0 (`<|endoftext|>`, what argmax returns on an all-NaN or all-zero
-                      row) three or more times
-    empty             nothing but whitespace
-    implausible       fluent-looking nonsense (`' the] is 3 the  the]'`): the full-precision model,
-                      reading the answer after the same prompt, gives its tokens a mean negative
-                      log-likelihood over IMPLAUSIBLE_NLL nats (each token ~55x less likely than
-                      e^-1 on average). Clean answers of the int4 and fp32 rungs score 0.1-1.5;
-                      a corrupted scale's 6.9-7.6, NaN or zero rows' 10-11. Needs the score,
-                      so it is judged only where the replay computed one.
+    token_flood       one token id FLOOD_RUN or more times in a row (`......` is token 30 x 32;
+                      token 0, what argmax returns on an all-NaN or all-zero row, is one case)
+    char_flood        one non-space character FLOOD_RUN or more times in a row ("......",
+                      "!!!!!!"): text whose ids were merged differently still shows it
+    token0_flood      token id 0 (`<|endoftext|>`) three or more times, anywhere
+    empty             nothing but whitespace (an answer of zero tokens included)
+    loop              degenerate repetition by measures the guard does not use (the neural text
+                      degeneration literature): rep-4, the share of the answer's token 4-grams that
+                      repeat an earlier one, at least LOOP_REP4 over at least LOOP_MIN_TOKENS
+                      tokens, and the text compresses well (zlib ratio at least LOOP_ZLIB; short
+                      texts, whose ratio zlib's overhead hides, by rep-4 alone). Calibrated on 64
+                      normal prompts x 128 int4 tokens: clean answers reach rep-4 0.43 / zlib 3.0 (a
+                      poem's refrain 0.68 / 3.98); the model's own loops 0.77-0.82 / 5.6-6.1.
 
-The judge is stricter than the step guard on short answers on purpose (the guard's repetition
-check waits for 32 tokens); it runs after the fact and never sees the logits.
+and, where the answer was scored:
+
+    implausible       fluent-looking nonsense (`' the] is 3 the  the]'`): the full-precision model,
+                      reading the answer after the same prompt ids, gives its tokens a mean
+                      negative log-likelihood over IMPLAUSIBLE_NLL nats. Clean answers of the int4
+                      and fp32 rungs score 0.1-1.5; a corrupted scale's 6.9-7.6, NaN or zero rows'
+                      10-11.
+
+An answer whose likelihood was asked for and could not be computed is `unjudged` (unless a
+symptom already makes it garbage): it is neither clean nor garbage, and it is counted.
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 _NAN_RUN = re.compile(r"(?i)(?:\bnan\b[\W_]*){3,}")
 _SQUARES = re.compile("[\u25a0\u25a1\u2588\u2b1b]{3,}")
 LOOP_REP4 = 0.6
 LOOP_ZLIB = 4.0
-LOOP_MIN_TOKENS = 12
+LOOP_MIN_TOKENS = 8
 ZLIB_MIN_BYTES = 200  # below this zlib's fixed overhead dominates the ratio
+FLOOD_RUN = 6
+CONTROL_RUN = 2
 TOKEN0_FLOOD = 3
 IMPLAUSIBLE_NLL = 4.0  # nats per token under the fp32 reference
-REASONS = ("nan_text", "replacement_char", "black_squares", "loop", "token0_flood", "empty", "implausible")
+REASONS = ("nan_text", "replacement_char", "control_chars", "black_squares", "token_flood", "char_flood",
+           "token0_flood", "empty", "loop", "implausible")
+_CHAR_FLOOD = re.compile(r"(\S)\1{" + str(FLOOD_RUN - 1) + ",}")
 
 
 @dataclass(frozen=True)
 class Verdict:
-    reasons: tuple[str, ...]
+    """The judge's word on one answer. `scored`: the likelihood was computed; `unjudged`: it was
+    asked for, failed, and no symptom decided alone."""
+
+    reasons: tuple[str, ...] = ()
+    scored: bool = False
+    nll: float | None = None
+    unjudged: bool = False
     rep4: float = 0.0
     zlib_ratio: float | None = None
 
     @property
     def garbage(self) -> bool:
         return bool(self.reasons)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"garbage": self.garbage, "reasons": list(self.reasons), "scored": self.scored, "nll": self.nll,
+                "unjudged": self.unjudged, "rep4": self.rep4, "zlib_ratio": self.zlib_ratio}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Verdict:
+        return cls(tuple(d["reasons"]), d["scored"], d["nll"], d["unjudged"], d["rep4"], d["zlib_ratio"])
 
 
 def rep_n(token_ids: Sequence[int], n: int = 4) -> float:
@@ -75,25 +101,93 @@ def mean_nll(logprobs: Sequence[float]) -> float | None:
     return -sum(logprobs) / len(logprobs) if logprobs else None
 
 
-def judge(text: str, token_ids: Sequence[int], truncated: bool = False, nll: float | None = None) -> Verdict:
-    """`truncated`: the answer was cut by max_tokens (so one partial character may end it);
-    `nll`: the answer's mean negative log-likelihood under the fp32 reference, when scored."""
+def longest_run(ids: Sequence[int]) -> tuple[int, int | None]:
+    """(length, id) of the longest run of one token id."""
+    best, best_id, run = 0, None, 0
+    for i, t in enumerate(ids):
+        run = run + 1 if i and ids[i - 1] == t else 1
+        if run > best:
+            best, best_id = run, t
+    return best, best_id
+
+
+def _is_control(ch: str) -> bool:
+    return unicodedata.category(ch) == "Cc" and ch not in "\t\n\r"
+
+
+def _control_runs(text: str) -> list[str]:
+    runs, cur = [], ""
+    for ch in text:
+        if _is_control(ch):
+            cur += ch
+        else:
+            if len(cur) >= CONTROL_RUN:
+                runs.append(cur)
+            cur = ""
+    if len(cur) >= CONTROL_RUN:
+        runs.append(cur)
+    return runs
+
+
+def symptoms(text: str, token_ids: Sequence[int], prompt: str = "") -> tuple[list[str], float, float | None]:
+    """The symptoms of an answer (no likelihood), its rep-4 and zlib ratio. `prompt`: the text the
+    engine was given after sanitizing (a U+FFFD or control run it holds may be echoed)."""
     reasons = []
     if _NAN_RUN.search(text):
         reasons.append("nan_text")
-    body = text.rstrip("\ufffd") if truncated and text.endswith("\ufffd") and len(text) - len(
-        text.rstrip("\ufffd")) <= 3 else text
-    if "\ufffd" in body:
+    if "\ufffd" in text and "\ufffd" not in prompt:
         reasons.append("replacement_char")
+    if any(run not in prompt for run in _control_runs(text)):
+        reasons.append("control_chars")
     if _SQUARES.search(text):
         reasons.append("black_squares")
-    r4, z = rep_n(token_ids), zlib_ratio(text)
-    if len(token_ids) >= LOOP_MIN_TOKENS and r4 >= LOOP_REP4 and (z is None or z >= LOOP_ZLIB):
-        reasons.append("loop")
+    if longest_run(token_ids)[0] >= FLOOD_RUN:
+        reasons.append("token_flood")
+    if _CHAR_FLOOD.search(text):
+        reasons.append("char_flood")
     if sum(1 for t in token_ids if t == 0) >= TOKEN0_FLOOD:
         reasons.append("token0_flood")
     if not text.strip():
         reasons.append("empty")
+    r4, z = rep_n(token_ids), zlib_ratio(text)
+    if len(token_ids) >= LOOP_MIN_TOKENS and r4 >= LOOP_REP4 and (z is None or z >= LOOP_ZLIB):
+        reasons.append("loop")
+    return reasons, r4, z
+
+
+def judge(text: str, token_ids: Sequence[int], prompt: str = "", nll: float | None = None,
+          score_failed: bool = False) -> Verdict:
+    """The verdict on one answer. `nll`: its mean negative log-likelihood under the fp32
+    reference, when scored; `score_failed`: scoring was asked for and failed."""
+    reasons, r4, z = symptoms(text, token_ids, prompt)
     if nll is not None and nll > IMPLAUSIBLE_NLL:
         reasons.append("implausible")
-    return Verdict(tuple(reasons), r4, z)
+    unjudged = score_failed and nll is None and not reasons
+    return Verdict(tuple(reasons), nll is not None, nll, unjudged, r4, z)
+
+
+def periodic_tail(ids: Sequence[int], max_period: int = 32, min_copies: int = 3) -> tuple[int, int] | None:
+    """(start, period) of the longest tail of `ids` that repeats one pattern at least `min_copies`
+    times (the earliest start; the shortest period among equals), or None."""
+    n, best = len(ids), None
+    for p in range(1, min(max_period, n // min_copies) + 1):
+        s = n - p
+        while s > 0 and ids[s - 1] == ids[s - 1 + p]:
+            s -= 1
+        if n - s >= min_copies * p and (best is None or s < best[0]):
+            best = (s, p)
+    return best
+
+
+def same_answer(answer: Sequence[int], reference: Sequence[int], loop_slack: int = 4) -> bool:
+    """Is `answer` the reference's own (fp32 alone, greedy, on the same prompt ids)? The same ids,
+    or, for a loop, the same loop (period, and a pattern one is a rotation of the other's)
+    starting within `loop_slack` tokens."""
+    if list(answer) == list(reference):
+        return True
+    a, b = periodic_tail(answer), periodic_tail(reference)
+    if a is None or b is None or a[1] != b[1] or abs(a[0] - b[0]) > loop_slack:
+        return False
+    p = a[1]
+    pa, pb = list(answer[a[0]:a[0] + p]), list(reference[b[0]:b[0] + p])
+    return any(pa[i:] + pa[:i] == pb for i in range(p))

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-COLORS = {"bare": "#c0392b", "guarded": "#2471a3", "int4": "#d35400", "w4a16": "#8e44ad", "fp32": "#117a65"}
+COLORS = {"bare": "#c0392b", "bare_aa": "#e59866", "guarded": "#2471a3", "int4": "#d35400", "w4a16": "#8e44ad",
+          "fp32": "#117a65"}
 
 
 def available() -> bool:
@@ -33,30 +34,35 @@ def _plt() -> Any:
     return plt
 
 
-def replay(results: dict[str, Any], path: Path) -> Path | None:
-    """Failure rate (garbage + 5xx) per fault model, bare vs guarded, on abnormal prompts."""
-    faults = list(results["bare"]["by_fault"])
+def replay(figures: dict[str, Any], path: Path) -> Path | None:
+    """Per fault model, bare vs guarded on crafted prompts: the share of garbage, fallback and 5xx
+    answers (stacked; the rest answered clean)."""
+    by = figures["by_fault"]
+    faults = sorted(set(by.get("bare", {})) | set(by.get("guarded", {})))
     if not faults:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(9, 4.2))
+    fig, ax = plt.subplots(figsize=(max(9, 0.55 * len(faults)), 4.4))
     width = 0.38
     for k, cfg in enumerate(("bare", "guarded")):
-        bf = results[cfg]["by_fault"]
-        garbage = [bf[f]["garbage_rate"] or 0 for f in faults]
-        errors = [bf[f]["error_rate"] or 0 for f in faults]
+        bf = by.get(cfg, {})
         xs = [i + (k - 0.5) * width for i in range(len(faults))]
-        ax.bar(xs, garbage, width, color=COLORS[cfg], label=f"{cfg}: garbage")
-        ax.bar(xs, errors, width, bottom=garbage, color=COLORS[cfg], alpha=0.45, hatch="//",
-               label=f"{cfg}: 5xx")
-        for x, gv, ev in zip(xs, garbage, errors, strict=True):
-            ax.text(x, gv + ev + 0.02, f"{gv + ev:.0%}", ha="center", fontsize=7, color=COLORS[cfg])
-    counts = [results["bare"]["by_fault"][f]["requests"] for f in faults]
-    ax.set_xticks(range(len(faults)), [f"{f}\n(n={n})" for f, n in zip(faults, counts, strict=True)], fontsize=8)
+        bottom = [0.0] * len(faults)
+        stacks = (("garbage_rate", 1.0, None), ("fallback_rate", 0.6, ".."), ("five_xx_rate", 0.45, "//"))
+        for key, alpha, hatch in stacks:
+            vals = [(bf.get(f) or {}).get(key) or 0.0 for f in faults]
+            ax.bar(xs, vals, width, bottom=bottom, color=COLORS[cfg], alpha=alpha, hatch=hatch,
+                   label=f"{cfg}: {key.removesuffix('_rate').replace('_', ' ')}")
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        for x, total in zip(xs, bottom, strict=True):
+            ax.text(x, total + 0.02, f"{total:.0%}", ha="center", fontsize=6, color=COLORS[cfg])
+    counts = [(by.get("bare", {}).get(f) or by.get("guarded", {}).get(f) or {}).get("requests", 0) for f in faults]
+    ax.set_xticks(range(len(faults)), [f"{f}\n(n={n})" for f, n in zip(faults, counts, strict=True)], fontsize=6,
+                  rotation=30, ha="right")
     ax.set_ylim(0, 1.15)
     ax.set_ylabel("share of requests")
-    ax.set_title("Abnormal prompts: garbage answers and 5xx per fault model")
-    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
+    ax.set_title("Crafted prompts: answers that were not clean, per fault model")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.35), frameon=False)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

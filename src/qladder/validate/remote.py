@@ -1,22 +1,30 @@
 """`qladder validate --remote`: the write-up's table on real serving engines, over HTTP.
 
-    bare     clients -> llama-server's /v1/chat/completions         (a user without qladder)
+    bare     clients -> llama-server                                   (a user without qladder)
+    bare_aa  clients -> a second llama-server on the same GGUF         (the A/A pair: the noise floor)
     guarded  clients -> qladder serve -> llama-server (INT4 pool) -> vLLM (the fp32 standby)
 
-Both configurations see the same llama-server processes: one on the embedded GGUF for the clean
-traffic, one per GGUF fault model (a corrupted scale, an inf scale, glitch-token embeddings) on
-its patched copy, each fronted by a `qladder serve` process of its own, all sharing one vLLM
-standby. Per-request faults (nan@step and the like) are not part of this run: a bare server
-cannot be made to take them, so only faults in the served model itself are compared.
+One llama-server on the embedded GGUF serves the clean traffic (a second one is bare_aa), one per
+GGUF fault model (corrupted scales, inf scales, glitch-token embeddings: the train set, and the
+held-out test set on the other half of the prompts) serves that model's prompts, each fronted by
+a `qladder serve` process of its own, all sharing one vLLM standby. Per-request faults (nan@step
+and the like) are not part of this run: a bare server cannot be made to take them.
 
-Requests stream with the official `openai` client from `clients` threads at once (production
-traffic arrives in parallel). Normal prompts run `rounds` times, bare and guarded alternating
-which goes first; abnormal prompts (with and without a fault model) run once per configuration.
-Answers are judged by the same independent judge as the in-process run (`validate/garbage.py`),
-the likelihood judge scores them under the fp32 model served by vLLM (`prompt_logprobs`), and a
-guarded garbage answer that vLLM's own greedy answer repeats is the model's own. results.json has
-the in-process run's shape for `bare` and `guarded`, plus `p99_ratio_gateway_over_bare`, every
-process's memory, and the servers' versions, flags and threads.
+Requests stream from `clients` threads at once (production traffic arrives in parallel).
+Bare sends the chat template's ids (the GGUF's template rendered by the client: the ids
+llama-server's own rendering gives) to llama-server's `/completion` with `return_tokens`, so the
+answer's ids are the server's own. Guarded sends the text through the official `openai` client
+to `/v1/chat/completions` and asks for the ids in the "qladder" extension. A prompt that is not
+valid Unicode (raw bytes, a lone surrogate) cannot travel as text: both send its bytes' tokens
+(`tokenize_bytes`) as a token-id prompt, and qladder's input defence reads the ids' bytes.
+
+Normal prompts run `rounds` times, the order of bare, bare_aa and guarded rotated per round;
+abnormal prompts (with and without a fault model) run once per configuration. Every answer is
+judged by the independent judge (`validate/garbage.py`) with its fp32 likelihood from vLLM
+(`prompt_logprobs`); vLLM's own greedy answer to the same ids tells an answer that is fp32's own;
+each guarded answer after its llama-server prefix is compared with vLLM's greedy continuation.
+outcomes.jsonl holds every request; results.json's figures come from it alone
+(`qladder.validate.recompute`).
 """
 
 from __future__ import annotations
@@ -37,24 +45,29 @@ import httpx
 
 from qladder.errors import ConfigError, InputError
 from qladder.validate.corpora import Prompt
-from qladder.validate.fault_models import FaultModel, assign, by_name
-from qladder.validate.replay import Outcome
+from qladder.validate.fault_models import ALL_FAULT_MODELS, FAULT_SETS, FaultModel, assign, by_name
+from qladder.validate.outcome import Outcome
 
-REMOTE_FAULTS = ("corrupted_scale", "inf_scale", "glitch_tokens")  # faults in the served model itself
+RUN = "validate-remote"
+REMOTE_FAULTS = tuple(m.name for m in ALL_FAULT_MODELS if m.gguf_patch is not None)  # faults in the served GGUF
 EXAMPLE_CONFIG = Path(__file__).with_name("remote_example.toml")
+MODEL = "smollm2-135m-instruct"
+CONFIGS = ("bare", "bare_aa", "guarded")
 
 
 @dataclass(frozen=True)
 class RemoteValidateConfig:
     quick: bool = False
     max_tokens: int = 32
-    normal_per_class: int = 12
-    abnormal_per_class: dict[str, int] | int = 3
-    prompts_per_fault: int = 4
-    fault_names: tuple[str, ...] = REMOTE_FAULTS
-    rounds: int = 3
+    normal_per_class: int = 18  # x 4 classes x 7 rounds: >= 500 requests per side for the pooled P99
+    abnormal_per_class: dict[str, int] | int = 4
+    prompts_per_fault: int = 3
+    fault_names: tuple[str, ...] = ()  # () = every GGUF fault model of both sets (quick: the quick ones)
+    rounds: int = 7
     warmup: int = 4
+    reference_prompts: int = 8  # normal prompts whose answers are compared with vLLM's greedy answer
     clients: int = 4  # concurrent client threads (each configuration in turn)
+    request_timeout_s: float = 300.0
     llama_slots: int = 4  # llama-server -np
     llama_threads: int = 1  # -t / -tb
     n_ctx_per_slot: int = 2048
@@ -70,8 +83,11 @@ class RemoteValidateConfig:
         from qladder.validate.runner import QUICK_ABNORMAL
 
         base = cls(quick=True, max_tokens=24, normal_per_class=3, abnormal_per_class=dict(QUICK_ABNORMAL),
-                   prompts_per_fault=2, rounds=3, warmup=2, vllm_eager=True)
+                   prompts_per_fault=2, rounds=3, warmup=2, reference_prompts=4, vllm_eager=True)
         return dataclasses.replace(base, **kw)
+
+    def models(self) -> list[FaultModel]:
+        return by_name(list(self.fault_names) or [m.name for m in by_name(quick=self.quick) if m.gguf_patch])
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -91,7 +107,7 @@ def load_remote_config(path: Path | None, quick: bool) -> RemoteValidateConfig:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     keys = {"run": {"max_tokens", "normal_per_class", "prompts_per_fault", "fault_names", "rounds", "warmup",
-                    "clients"},
+                    "clients", "reference_prompts", "request_timeout_s"},
             "llama_server": {"slots": "llama_slots", "threads": "llama_threads", "n_ctx_per_slot": "n_ctx_per_slot"},
             "vllm": {"threads": "vllm_threads", "max_num_seqs": "vllm_max_num_seqs",
                      "kv_cache_gib": "vllm_kv_cache_gib", "eager": "vllm_eager", "url": "vllm_url"}}
@@ -107,6 +123,8 @@ def load_remote_config(path: Path | None, quick: bool) -> RemoteValidateConfig:
             want = type(getattr(base, mapping[k])) if getattr(base, mapping[k]) is not None else str
             if want is tuple and isinstance(v, list):
                 v = tuple(v)
+            if want is float and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
             if not isinstance(v, want) or isinstance(v, bool) != (want is bool):
                 errors.append(f"[{section}] {k}: expected {want.__name__}, got {v!r}")
                 continue
@@ -137,7 +155,7 @@ def tree_rss_mb(pid: int) -> float | None:
 class Served:
     """One served model: its llama-server and the qladder serve process in front of it."""
 
-    name: str  # "clean" or the fault model's name
+    name: str  # "clean", "clean_aa" (no gateway) or the fault model's name
     llama: Any  # LlamaServer
     gateway: Any = None  # subprocess.Popen of `qladder serve`
     gateway_url: str = ""
@@ -174,77 +192,134 @@ def start_gateway(s: Served, vllm_url: str, c: RemoteValidateConfig, work: Path)
         raise EngineError(f"qladder serve for {s.name} {why}; see {work / f'serve-{s.name}.log'}")
 
 
+# -- the prompts as each configuration sends them --------------------------------------------------
+
+@dataclass(frozen=True)
+class Forms:
+    """One prompt as bare and guarded send it, and the ids and text each engine then decodes from."""
+
+    bare_ids: list[int]  # the template's ids (raw bytes as their bytes' tokens): what bare sends
+    bare_text: str  # readable rendering of the prompt as sent
+    text: str | None  # what guarded sends as chat text (None: it sends bare_ids as a token-id prompt)
+    guarded_ids: list[int]  # the ids the gateway's engine decodes from, after its input defence
+    guarded_text: str  # the sanitized prompt
+
+
+def forms(p: Prompt, info: Any, vocab: Any, preparer: Any, max_tokens: int) -> Forms:
+    from qladder.model import user_prompt_ids, user_prompt_ids_bytes
+    from qladder.validate.replay import readable, unicode_bytes
+
+    raw = unicode_bytes(p.prompt)
+    if raw is not None:
+        ids = user_prompt_ids_bytes(info.chat_template, raw, vocab.tokenize, vocab.tokenize_bytes)
+        g_ids, reports = preparer.defend_ids(ids, vocab.detokenize_bytes, vocab.control_ids)
+        g_text = "\n".join(r.text for r in reports) if reports else vocab.detokenize(g_ids)
+        return Forms(ids, readable(p.prompt), None, g_ids, g_text)
+    text = p.prompt.decode("utf-8") if isinstance(p.prompt, bytes) else p.prompt
+    ids = user_prompt_ids(info.chat_template, text, vocab.tokenize)
+    try:
+        g_ids, reports = preparer.encode_messages([{"role": "user", "content": text}], max_tokens)
+        g_text = "\n".join(r.text for r in reports)
+    except InputError:
+        g_ids, g_text = [], ""
+    return Forms(ids, text, text, g_ids, g_text)
+
+
 # -- requests ------------------------------------------------------------------------------------------
 
 @dataclass
 class Job:
     prompt: Prompt
-    population: str  # normal | abnormal
-    fault: str  # "none" or the fault model's name
+    phase: str  # warmup | normal | abnormal | faulted
+    model: FaultModel | None  # the fault model (None: clean)
     served: str  # which Served answers it
     round: int = 0
 
+    def outcome(self, config: str) -> Outcome:
+        p, m = self.prompt, self.model
+        return Outcome(RUN, config, p.id, p.cls, "normal" if self.phase in ("normal", "warmup") else "abnormal",
+                       fault=m.name if m else None, round=self.round, phase=self.phase, split=p.split,
+                       fault_set=m.fault_set if m else None)
 
-def _text(p: Prompt) -> str:
-    """The prompt as a client can send it: valid UTF-8 (raw bytes and lone surrogates replaced)."""
-    raw = p.prompt if isinstance(p.prompt, bytes) else p.prompt.encode("utf-8", "surrogatepass")
-    return raw.decode("utf-8", "replace")
+
+def _sse(lines: Any) -> Any:
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
 
 
-def one_request(base_url: str, config: str, job: Job, max_tokens: int, tokenize: Callable[[str], list[int]]
-                ) -> Outcome:
-    """One streamed chat request with the official client; never raises (failures are outcomes)."""
+def bare_request(base_url: str, o: Outcome, f: Forms, max_tokens: int, timeout_s: float) -> None:
+    """One request to llama-server's /completion (token ids in, the server's ids out), streamed."""
+    o.prompt, o.prompt_tokens, o.token_ids_source = f.bare_text, len(f.bare_ids), "server"
+    body = {"prompt": f.bare_ids, "n_predict": max_tokens, "temperature": 0, "seed": 0, "stream": True,
+            "return_tokens": True, "cache_prompt": True}
+    t0 = time.perf_counter()
+    pieces: list[str] = []
+    try:
+        with httpx.stream("POST", f"{base_url}/completion", json=body, timeout=timeout_s) as r:
+            if r.status_code != 200:
+                r.read()
+                o.status, o.error = r.status_code, r.text[:160]
+            else:
+                for chunk in _sse(r.iter_lines()):
+                    if chunk.get("content") and o.ttft_ms is None:
+                        o.ttft_ms = (time.perf_counter() - t0) * 1e3
+                    pieces.append(chunk.get("content") or "")
+                    o.token_ids += [int(t) for t in chunk.get("tokens") or []]
+                    if chunk.get("stop"):
+                        o.finish_reason = {"limit": "length", "eos": "stop", "word": "stop"}.get(
+                            str(chunk.get("stop_type")), str(chunk.get("stop_type")))
+    except httpx.TimeoutException as exc:
+        o.status, o.error = "timeout", type(exc).__name__
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:  # a dropped connection, a broken stream
+        o.status, o.error = "error", f"connection: {type(exc).__name__}"
+    o.latency_ms = (time.perf_counter() - t0) * 1e3
+    o.text = "".join(pieces)
+    o.rungs = ["llama-server"] * len(o.token_ids)
+
+
+def guarded_request(base_url: str, o: Outcome, f: Forms, max_tokens: int, timeout_s: float) -> None:
+    """One streamed request to qladder serve with the official client (chat text, or the token-id
+    prompt of a prompt that is not valid Unicode), the answer's ids asked for in the extension."""
     import openai
 
-    o = Outcome(config, job.prompt.id, job.prompt.cls, job.population, job.fault, "ok", round=job.round)
+    o.prompt, o.prompt_tokens = f.guarded_text, len(f.guarded_ids)
+    extra = {"qladder": {"return_token_ids": True}}
     t0 = time.perf_counter()
-    first: float | None = None
     pieces: list[str] = []
     ext: dict[str, Any] = {}
     try:
-        with openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=600) as client:
-            stream = client.chat.completions.create(
-                model="smollm2-135m-instruct", stream=True, max_tokens=max_tokens, temperature=0, seed=0,
-                messages=[{"role": "user", "content": _text(job.prompt)}])
+        with openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=timeout_s) as client:
+            common: dict[str, Any] = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "temperature": 0,
+                                      "seed": 0, "extra_body": extra}
+            stream: Any = (client.chat.completions.create(messages=[{"role": "user", "content": f.text}], **common)
+                           if f.text is not None else client.completions.create(prompt=f.bare_ids, **common))
             for ch in stream:
-                if ch.choices and ch.choices[0].delta.content:
-                    if first is None:
-                        first = time.perf_counter()
-                    pieces.append(ch.choices[0].delta.content)
-                if ch.choices and ch.choices[0].finish_reason:
-                    o.finish_reason = ch.choices[0].finish_reason
+                piece = (ch.choices[0].delta.content if f.text is not None else ch.choices[0].text) \
+                    if ch.choices else None
+                if piece:
+                    if o.ttft_ms is None:
+                        o.ttft_ms = (time.perf_counter() - t0) * 1e3
+                    pieces.append(piece)
                 if ch.model_extra and "qladder" in ch.model_extra:
                     ext = ch.model_extra["qladder"]
+    except openai.APITimeoutError as exc:
+        o.status, o.error = "timeout", type(exc).__name__
     except openai.APIStatusError as exc:
-        o.status = "error" if exc.status_code >= 500 else "rejected"
-        o.error_kind = f"http_{exc.status_code}"
-    except (openai.APIError, httpx.HTTPError) as exc:  # a dropped connection, a broken stream
-        o.status, o.error_kind = "error", f"connection:{type(exc).__name__}"
-    o.wall_ms = (time.perf_counter() - t0) * 1e3
-    o.prefill_ms = ((first or time.perf_counter()) - t0) * 1e3
+        o.status, o.error = exc.status_code, str(exc.message)[:160]
+    except (openai.APIError, httpx.HTTPError) as exc:  # an error event, a dropped connection
+        o.status, o.error = "error", f"{type(exc).__name__}: {exc}"[:160]
+    o.latency_ms = (time.perf_counter() - t0) * 1e3
     o.text = "".join(pieces)
-    o.token_ids = tokenize(o.text) if o.text else []
-    if ext:
-        o.finish_reason = ext.get("finish_reason", o.finish_reason)
-        o.fallback = bool(ext.get("fallback"))
-        o.hazards = [h["check"] for h in ext.get("hazards", [])]
-        o.handoff_ms = [float(h["latency_ms"]) for h in ext.get("handoffs", [])]
-        o.token_rungs = [r for r, n in (ext.get("tokens_per_rung") or {}).items() for _ in range(int(n))]
-    elif config == "bare":
-        o.token_rungs = ["llama-server"] * len(o.token_ids)
-    return o
-
-
-def run_jobs(jobs: Sequence[Job], url_of: Callable[[Job], str], config: str, c: RemoteValidateConfig,
-             tokenize: Callable[[str], list[int]], tick: Callable[[], None]) -> list[Outcome]:
-    """Every job through one configuration, `clients` at a time."""
-    with cf.ThreadPoolExecutor(c.clients, thread_name_prefix=f"client-{config}") as pool:
-        futures = [pool.submit(one_request, url_of(j), config, j, c.max_tokens, tokenize) for j in jobs]
-        out = []
-        for f in futures:
-            out.append(f.result())
-            tick()
-    return out
+    if o.ok and "token_ids" in ext:
+        o.token_ids, o.rungs = [int(t) for t in ext["token_ids"]], [str(r) for r in ext["token_rungs"]]
+        o.token_ids_source = "server"
+    elif o.ok:
+        o.status, o.error = "error", "the answer's last chunk carried no qladder extension"
+    o.finish_reason = ext.get("finish_reason", o.finish_reason)
+    o.fallback = bool(ext.get("fallback"))
+    o.hazards = [h["check"] for h in ext.get("hazards", [])]
+    o.handoff_ms = [float(h["latency_ms"]) for h in ext.get("handoffs", [])]
 
 
 # -- judging with the fp32 model on vLLM ---------------------------------------------------------------
@@ -255,36 +330,39 @@ class Fp32Judge:
     def __init__(self, vllm_url: str, model: str):
         self.url, self.model = vllm_url, model
         self._nll: dict[tuple[tuple[int, ...], tuple[int, ...]], float | None] = {}
-        self._greedy: dict[tuple[int, ...], list[int]] = {}
+        self._greedy: dict[tuple[tuple[int, ...], int], list[int] | None] = {}
 
     def nll(self, prompt: list[int], answer: list[int]) -> float | None:
+        """The answer's mean NLL under fp32 (None when scoring failed: the answer is then unjudged)."""
         from qladder.engines.remote_vllm import draft_logprobs, score_body
         from qladder.validate.garbage import mean_nll
 
         key = (tuple(prompt), tuple(answer))
-        if not prompt:
-            return None
         if key not in self._nll:
             try:
                 r = httpx.post(f"{self.url}/v1/completions", timeout=300, json=score_body(self.model, prompt, answer))
                 r.raise_for_status()
                 self._nll[key] = mean_nll(draft_logprobs(r.json(), len(prompt), answer))
-            except (httpx.HTTPError, KeyError, ValueError, TypeError):
-                self._nll[key] = None  # too long to score: judged by its symptoms alone
+            except (httpx.HTTPError, KeyError, ValueError, TypeError, IndexError):
+                self._nll[key] = None
         return self._nll[key]
 
-    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
-        """vLLM's greedy answer ([] when it cannot give one: the answer is then not the model's own)."""
-        key = tuple(prompt)
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int] | None:
+        """vLLM's greedy answer (None when it cannot give one)."""
+        key = (tuple(prompt), max_tokens)
+        if max_tokens <= 0:
+            return []
         if key not in self._greedy:
             try:
                 r = httpx.post(f"{self.url}/v1/completions", timeout=300, json={
                     "model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                     "return_token_ids": True, "skip_special_tokens": False})
                 r.raise_for_status()
-                self._greedy[key] = [int(t) for t in r.json()["choices"][0].get("token_ids") or []]
+                choice = r.json()["choices"][0]
+                ids = [int(t) for t in choice.get("token_ids") or []]
+                self._greedy[key] = [t for t in ids if t != 2]  # EOS ends it, as the engines do
             except (httpx.HTTPError, KeyError, ValueError, TypeError, IndexError):
-                self._greedy[key] = []
+                self._greedy[key] = None
         return self._greedy[key]
 
 
@@ -297,53 +375,111 @@ class RemoteRun:
     abnormal: list[Prompt]
     models: list[FaultModel]
     outcomes: list[Outcome] = field(default_factory=list)
+    ids: list[list[int]] = field(default_factory=list)  # the prompt ids each outcome's engine decoded from
     served: dict[str, Served] = field(default_factory=dict)
     times: dict[str, float] = field(default_factory=dict)
     drafts: dict[str, dict[str, int]] = field(default_factory=dict)  # per served model: its gateway's draft checks
 
     def jobs(self) -> tuple[list[Job], list[Job]]:
-        """(normal jobs of round 0, abnormal jobs: clean and faulted)."""
-        normal = [Job(p, "normal", "none", "clean") for p in self.normal]
-        abnormal = [Job(p, "abnormal", "none", "clean") for p in self.abnormal]
-        skip = [i for i, p in enumerate(self.abnormal) if p.cls == "over_long"]
-        for a in assign(len(self.abnormal), self.models, self.cfg.prompts_per_fault, skip,
-                        [p.cls for p in self.abnormal]):
-            abnormal.append(Job(self.abnormal[a.prompt_index], "abnormal", a.model.name, a.model.name))
+        """(normal jobs of round 0, abnormal jobs: clean, then each fault set's on its half)."""
+        normal = [Job(p, "normal", None, "clean") for p in self.normal]
+        abnormal = [Job(p, "abnormal", None, "clean") for p in self.abnormal]
+        for fs in FAULT_SETS:
+            pool = [p for p in self.abnormal if p.split == fs]
+            skip = [i for i, p in enumerate(pool) if p.cls == "over_long"]
+            models = [m for m in self.models if m.fault_set == fs]
+            for a in assign(len(pool), models, self.cfg.prompts_per_fault, skip, [p.cls for p in pool]):
+                abnormal.append(Job(pool[a.prompt_index], "faulted", a.model, a.model.name))
         return normal, abnormal
 
 
+def run_jobs(run: RemoteRun, jobs: Sequence[Job], config: str, forms_of: Callable[[Prompt], Forms],
+             tick: Callable[[], None]) -> None:
+    """Every job through one configuration, `clients` at a time; outcomes recorded in job order."""
+    c = run.cfg
+
+    def one(j: Job) -> tuple[Outcome, list[int]]:
+        o, f = j.outcome(config), forms_of(j.prompt)
+        if config == "guarded":
+            guarded_request(run.served[j.served].gateway_url, o, f, c.max_tokens, c.request_timeout_s)
+            return o, f.guarded_ids
+        name = "clean_aa" if config == "bare_aa" else j.served
+        bare_request(run.served[name].llama.base_url, o, f, c.max_tokens, c.request_timeout_s)
+        return o, f.bare_ids
+
+    with cf.ThreadPoolExecutor(c.clients, thread_name_prefix=f"client-{config}") as pool:
+        for fut in [pool.submit(one, j) for j in jobs]:
+            o, ids = fut.result()
+            run.outcomes.append(o)
+            run.ids.append(ids)
+            tick()
+
+
+def judge_all(run: RemoteRun, judge: Fp32Judge) -> None:
+    """Every answer judged (symptoms + vLLM's likelihood; a scoring failure leaves it unjudged);
+    fp32's own answers marked (abnormal, garbage and reference answers); each guarded faulted
+    answer's continuation after its llama-server prefix compared with vLLM's greedy one."""
+    from qladder.validate.garbage import same_answer
+    from qladder.validate.replay import continuation_identical
+
+    refs = {p.id for p in run.normal[: run.cfg.reference_prompts]}
+    n = run.cfg.max_tokens
+    for o, ids in zip(run.outcomes, run.ids, strict=True):
+        if not o.ok or not o.token_ids or o.fallback or o.phase == "warmup" or not ids:
+            o.judge()
+            continue
+        nll = judge.nll(ids, o.token_ids)
+        o.judge(nll, score_failed=nll is None)
+        if o.population == "abnormal" or o.garbage or o.prompt_id in refs:
+            ref = judge.greedy(ids, n)
+            o.fp32_identical = None if ref is None else same_answer(o.token_ids, ref)
+        if o.config == "guarded" and o.fault is not None:
+            k = 0
+            while k < len(o.rungs) and o.rungs[k] == "llama-server":
+                k += 1
+            ref = judge.greedy([*ids, *o.token_ids[:k]], n - k)
+            o.fp32_continuation_identical = None if ref is None else continuation_identical(
+                o.token_ids, k, ref, o.finish_reason)
+
+
 def validate_remote(cfg: RemoteValidateConfig, out_dir: Path, show_progress: bool = True,
-                    log: Callable[[str], None] = lambda s: None, beside: Path | None = None) -> dict[str, Any]:
-    """Start the servers, replay, judge; write results.json, report.md and report.html."""
+                    log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Start the servers, replay, judge; write outcomes.jsonl, results.json, report.md, report.html."""
     from qladder.config import Settings
     from qladder.engines.llamacpp import LlamaVocab
     from qladder.engines.torch_engine import fp32_checkpoint
-    from qladder.faults import GGUF_PATCHES
-    from qladder.model import inspect_model, user_prompt_ids
+    from qladder.model import inspect_model
     from qladder.peers import process
     from qladder.peers.llama_server import LlamaServer
     from qladder.peers.vllm import VllmServer
     from qladder.prepare import Preparer
     from qladder.validate.corpora import load_corpora, subset
+    from qladder.validate.gguf_patch import GGUF_PATCHES
     from qladder.validate.report import write_remote_report
     from qladder.validate.runner import Progress, write_outputs
 
     t_start = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
     normal, abnormal = load_corpora(cfg.corpus_dir)
-    run = RemoteRun(cfg, subset(normal, cfg.normal_per_class), subset(abnormal, cfg.abnormal_per_class),
-                    by_name(list(cfg.fault_names)))
+    run = RemoteRun(cfg, subset(normal, cfg.normal_per_class), subset(abnormal, cfg.abnormal_per_class), cfg.models())
     if any(m.gguf_patch is None for m in run.models):
         raise ConfigError(f"validate --remote takes faults of the served model only ({', '.join(REMOTE_FAULTS)})")
     normal_jobs, abnormal_jobs = run.jobs()
-    total = 2 * (cfg.warmup + len(normal_jobs) * cfg.rounds + len(abnormal_jobs)) + 1
+    total = 3 * cfg.warmup + 3 * len(normal_jobs) * cfg.rounds + 2 * len(abnormal_jobs) + 1
     progress = Progress(total, show_progress)
     settings = Settings.from_env()
     info = inspect_model(None, settings.cache_dir)
     vocab = LlamaVocab(info)
+    preparer = Preparer(info, vocab.tokenize, cfg.n_ctx_per_slot)
+    cache: dict[str, Forms] = {}
+
+    def forms_of(p: Prompt) -> Forms:
+        if p.id not in cache:
+            cache[p.id] = forms(p, info, vocab, preparer, cfg.max_tokens)
+        return cache[p.id]
+
     work = Path(tempfile.mkdtemp(prefix="qladder-remote-"))
     vllm: VllmServer | None = None
-    servers: dict[str, Any] = {}
     try:
         progress.phase("starting vLLM, llama-server, qladder serve")
         t = time.perf_counter()
@@ -355,11 +491,11 @@ def validate_remote(cfg: RemoteValidateConfig, out_dir: Path, show_progress: boo
         vllm_url = cfg.vllm_url or (vllm.base_url if vllm else "")
         model_id = httpx.get(f"{vllm_url}/v1/models", timeout=30).json()["data"][0]["id"]
         run.times["vllm_start_s"] = time.perf_counter() - t
-        ggufs: dict[str, tuple[Path, dict[str, object] | None]] = {"clean": (info.path, None)}
+        ggufs: dict[str, tuple[Path, dict[str, object] | None]] = {"clean": (info.path, None),
+                                                                    "clean_aa": (info.path, None)}
         for m in run.models:
             dst = work / f"{m.name}.gguf"
-            applied = GGUF_PATCHES[m.patch](info.path, dst, **dict(m.gguf_patch or ()))
-            ggufs[m.name] = (dst, applied)
+            ggufs[m.name] = (dst, GGUF_PATCHES[m.patch](info.path, dst, **dict(m.gguf_patch or ())))
         t = time.perf_counter()
         for name, (path, applied) in ggufs.items():
             ls = LlamaServer(path, n_parallel=cfg.llama_slots, threads=cfg.llama_threads,
@@ -368,55 +504,21 @@ def validate_remote(cfg: RemoteValidateConfig, out_dir: Path, show_progress: boo
         run.times["llama_server_start_s"] = time.perf_counter() - t
         t = time.perf_counter()
         for s in run.served.values():
-            start_gateway(s, vllm_url, cfg, work)
+            if s.name != "clean_aa":
+                start_gateway(s, vllm_url, cfg, work)
         run.times["gateway_start_s"] = time.perf_counter() - t
-
-        def tokenize(text: str) -> list[int]:
-            return vocab.tokenize(text, False)
-
-        def url_of(config: str) -> Callable[[Job], str]:
-            return (lambda j: run.served[j.served].llama.base_url) if config == "bare" \
-                else (lambda j: run.served[j.served].gateway_url)
-
-        progress.phase("warm-up")
-        warm = [Job(run.normal[i % len(run.normal)], "normal", "none", "clean") for i in range(cfg.warmup)]
-        for config in ("bare", "guarded"):
-            run_jobs(warm, url_of(config), config, cfg, tokenize, progress.tick)
-        progress.phase("normal (bare and guarded, alternating)")
-        t = time.perf_counter()
-        for r in range(cfg.rounds):
-            jobs = [dataclasses.replace(j, round=r) for j in normal_jobs]
-            for config in (("bare", "guarded") if r % 2 == 0 else ("guarded", "bare")):
-                run.outcomes += run_jobs(jobs, url_of(config), config, cfg, tokenize, progress.tick)
-        run.times["normal_s"] = time.perf_counter() - t
-        progress.phase("abnormal and faulted")
-        t = time.perf_counter()
-        for config in ("bare", "guarded"):
-            run.outcomes += run_jobs(abnormal_jobs, url_of(config), config, cfg, tokenize, progress.tick)
-        run.times["abnormal_s"] = time.perf_counter() - t
+        replay(run, normal_jobs, abnormal_jobs, forms_of, progress)
         progress.phase("judge (fp32 on vLLM)")
-        judge = Fp32Judge(vllm_url, model_id)
-        prompts = {p.id: p for p in [*run.normal, *run.abnormal]}
         t = time.perf_counter()
-        preparer = Preparer(info, vocab.tokenize, cfg.n_ctx_per_slot)
-
-        def prompt_ids(config: str, p: Prompt) -> list[int]:
-            if config == "bare":  # llama-server renders the GGUF's template over the raw text
-                return user_prompt_ids(info.chat_template, _text(p), vocab.tokenize)
-            try:
-                return preparer.encode_messages([{"role": "user", "content": _text(p)}], cfg.max_tokens)[0]
-            except InputError:
-                return []
-
-        judge_all(run, judge, prompt_ids, vocab.detokenize, prompts)
+        judge_all(run, Fp32Judge(vllm_url, model_id))
         run.times["judge_s"] = time.perf_counter() - t
         memory = {f"llama-server:{n}": tree_rss_mb(s.llama.proc.pid) for n, s in run.served.items()}
-        memory |= {f"qladder-serve:{n}": tree_rss_mb(s.gateway.pid) for n, s in run.served.items()}
+        memory |= {f"qladder-serve:{n}": tree_rss_mb(s.gateway.pid) for n, s in run.served.items() if s.gateway}
         if vllm is not None and vllm.proc is not None:
             memory["vllm"] = tree_rss_mb(vllm.proc.pid)
         servers = describe_servers(run, vllm, vllm_url)
-        incidents = {n: _count_incidents(s.incidents) for n, s in run.served.items()}
-        run.drafts = {n: _draft_checks(s.gateway_url) for n, s in run.served.items()}
+        incidents = {n: _count_incidents(s.incidents) for n, s in run.served.items() if s.gateway}
+        run.drafts = {n: _draft_checks(s.gateway_url) for n, s in run.served.items() if s.gateway}
         progress.tick()
     finally:
         progress.close()
@@ -427,34 +529,34 @@ def validate_remote(cfg: RemoteValidateConfig, out_dir: Path, show_progress: boo
             vllm.stop()
         vocab.close()
         shutil.rmtree(work, ignore_errors=True)
-    results = assemble_remote(run, memory, servers, incidents)
+    results = write_outputs(out_dir, run.outcomes, "remote", header(run, memory, servers, incidents))
     results["elapsed_s"] = time.perf_counter() - t_start
     results["phase_durations_s"] = progress.durations
-    if beside is not None and beside.is_file():
-        results["beside_in_process"] = _beside(json.loads(beside.read_text(encoding="utf-8")), str(beside))
-    write_outputs(out_dir, results, run.outcomes)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False, default=str))
     write_remote_report(results, out_dir)
-    log(f"wrote {out_dir / 'results.json'}, report.md, report.html")
+    log(f"wrote {out_dir / 'outcomes.jsonl'}, results.json, report.md, report.html")
     return results
 
 
-def judge_all(run: RemoteRun, judge: Fp32Judge, prompt_ids: Callable[[str, Prompt], list[int]],
-              detokenize: Callable[[list[int]], str], prompts: dict[str, Prompt]) -> None:
-    """Symptoms for every answer; the fp32 likelihood for abnormal ones; and whose a guarded garbage
-    answer is (vLLM's fp32 greedy answer to the same ids shows the same symptoms: the model's own).
-    `prompt_ids(config, prompt)`: the ids that configuration's server decoded from (guarded: after
-    the input defence)."""
-    from qladder.validate.garbage import judge as judge_text
-
-    for o in run.outcomes:
-        if o.population == "abnormal" and o.status == "ok" and o.token_ids:
-            o.nll = judge.nll(prompt_ids(o.config, prompts[o.prompt_id]), o.token_ids)
-        o.judge()
-    for o in run.outcomes:
-        if o.config == "guarded" and o.is_garbage:
-            ref = judge.greedy(prompt_ids("guarded", prompts[o.prompt_id]), run.cfg.max_tokens)
-            reasons = judge_text(detokenize(ref), ref, len(ref) >= run.cfg.max_tokens).reasons
-            o.model_own = bool(ref) and bool(set(o.garbage) & set(reasons))
+def replay(run: RemoteRun, normal_jobs: list[Job], abnormal_jobs: list[Job], forms_of: Callable[[Prompt], Forms],
+           progress: Any) -> None:
+    c = run.cfg
+    progress.phase("warm-up")
+    warm = [Job(run.normal[i % len(run.normal)], "warmup", None, "clean") for i in range(c.warmup)]
+    for config in CONFIGS:
+        run_jobs(run, warm, config, forms_of, progress.tick)
+    progress.phase("normal (bare, A/A, guarded, rotated)")
+    t = time.perf_counter()
+    for r in range(c.rounds):
+        jobs = [dataclasses.replace(j, round=r) for j in normal_jobs]
+        for config in (*CONFIGS[r % 3:], *CONFIGS[:r % 3]):
+            run_jobs(run, jobs, config, forms_of, progress.tick)
+    run.times["normal_s"] = time.perf_counter() - t
+    progress.phase("abnormal and faulted")
+    t = time.perf_counter()
+    for config in ("bare", "guarded"):
+        run_jobs(run, abnormal_jobs, config, forms_of, progress.tick)
+    run.times["abnormal_s"] = time.perf_counter() - t
 
 
 def _draft_checks(gateway_url: str) -> dict[str, int]:
@@ -484,7 +586,7 @@ def describe_servers(run: RemoteRun, vllm: Any, vllm_url: str) -> dict[str, Any]
         "vllm": {"url": vllm_url, "started_here": vllm is not None,
                  **(vllm.flags() if vllm is not None else {})},
         "qladder_serve": {"topology": _gateway_toml("<llama-server>", "<vllm>", run.cfg, Path("<incidents>")),
-                          "processes": len(run.served)},
+                          "processes": sum(1 for s in run.served.values() if s.gateway)},
         "concurrency": {"clients": run.cfg.clients, "mode": "each configuration in turn, clients in parallel"},
     }
     try:
@@ -494,17 +596,12 @@ def describe_servers(run: RemoteRun, vllm: Any, vllm_url: str) -> dict[str, Any]
     return out
 
 
-def assemble_remote(run: RemoteRun, memory: dict[str, float | None], servers: dict[str, Any],
-                    incidents: dict[str, int | None]) -> dict[str, Any]:
-    from qladder.percentiles import percentile
+def header(run: RemoteRun, memory: dict[str, float | None], servers: dict[str, Any],
+           incidents: dict[str, int | None]) -> dict[str, Any]:
     from qladder.validate.environment import cpu, load_average, versions
-    from qladder.validate.stats import paired_ratio, section
 
-    bare = [o for o in run.outcomes if o.config == "bare"]
-    guarded = [o for o in run.outcomes if o.config == "guarded"]
-    mem_bare = sum(v or 0.0 for k, v in memory.items() if k.startswith("llama-server"))
-    mem_guarded = mem_bare + sum(v or 0.0 for k, v in memory.items() if not k.startswith("llama-server"))
-    ratios = paired_ratio(bare, guarded)
+    mem_bare = memory.get("llama-server:clean")
+    mem_guarded = (mem_bare or 0.0) + (memory.get("qladder-serve:clean") or 0.0) + (memory.get("vllm") or 0.0)
     return {
         "kind": "remote",
         "config": run.cfg.to_dict(),
@@ -513,39 +610,16 @@ def assemble_remote(run: RemoteRun, memory: dict[str, float | None], servers: di
         "method": {"warmup_requests_per_config": run.cfg.warmup, "rounds_normal": run.cfg.rounds,
                    "sampling": "greedy (temperature 0, seed 0)", "clients": run.cfg.clients,
                    "prompts": {"normal": len(run.normal), "abnormal": len(run.abnormal)},
-                   "order": "normal rounds alternate which configuration goes first; abnormal and faulted "
-                            "requests once per configuration",
-                   "memory_note": "RSS of each process tree after the run: bare = the llama-servers; guarded "
-                                  "= the llama-servers + vLLM + the qladder serve processes",
+                   "order": "normal rounds rotate bare, bare_aa and guarded; abnormal and faulted requests once "
+                            "per configuration",
+                   "memory_note": "RSS of each process tree after the run: bare = the clean llama-server; guarded "
+                                  "= the clean llama-server + its qladder serve + vLLM",
                    "faults_note": "faults in the served model only (patched GGUF copies): a bare server cannot "
                                   "take per-request faults"},
+        "memory_mb": {"bare": mem_bare, "guarded": mem_guarded},
         "fault_models": [{**fm.to_dict(), "applied_patch": run.served[fm.name].patch if fm.name in run.served
                           else None} for fm in run.models],
-        "bare": section(bare, None, mem_bare),
-        "guarded": section(guarded, None, mem_guarded),
-        "latency_ratio_guarded_over_bare": ratios,
-        "p99_ratio_gateway_over_bare": ratios["p99"],
-        # time to the first text a client receives (the gateway holds the first 8 tokens on the
-        # INT4 rung for the draft check, then 7 behind: its per-token decode figure leaves those
-        # out; read the end-to-end rows)
-        "ttft_normal_ms": {cfg: {"p50": percentile(t, 50), "p99": percentile(t, 99)} for cfg, t in (
-            (c, [o.prefill_ms for o in outs if o.population == "normal" and o.fault == "none" and o.status == "ok"])
-            for c, outs in (("bare", bare), ("guarded", guarded)))},
-        "latency_samples_normal_ms": {cfg: [o.wall_ms for o in outs if o.population == "normal"
-                                            and o.fault == "none" and o.status == "ok"]
-                                      for cfg, outs in (("bare", bare), ("guarded", guarded))},
         "incidents_recorded": incidents,
-        # per qladder serve: answers' first tokens vLLM scored (passed/refused/unchecked), released
-        # unscored (confident) or not held (skipped: a prompt over verify_max_context)
         "draft_checks": run.drafts,
         "phase_times_s": run.times,
     }
-
-
-def _beside(r: dict[str, Any], path: str) -> dict[str, Any]:
-    """The in-process run's headline numbers, for the table beside this one."""
-    pick = ("garbage_rate", "garbage_beyond_fp32_rate", "error_rate", "fallback", "memory_rss_mb")
-    return {"path": path, "quick": r.get("config", {}).get("quick"),
-            **{cfg: {k: r.get(cfg, {}).get(k) for k in pick} | {"p99_ms": r.get(cfg, {}).get(
-                "latency_normal", {}).get("p99_ms")} for cfg in ("bare", "guarded")},
-            "p99_ratio": (r.get("latency_ratio_guarded_over_bare") or {}).get("p99")}

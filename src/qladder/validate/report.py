@@ -1,6 +1,8 @@
-"""report.md and report.html from results.json: the side-by-side table, the three boundaries, the
-method. Both are built from one list of blocks (heading, text, table, image); the HTML embeds the
-PNGs as base64 so the single file can be mailed or opened anywhere, the PNGs are also kept beside it.
+"""report.md and report.html from results.json (whose figures come from outcomes.jsonl, see
+`qladder.validate.recompute`) and, in-process, boundaries.json: the side-by-side tables, the
+verdicts, the three boundaries, the method. Both are built from one list of blocks (heading, text,
+table, image); the HTML embeds the PNGs as base64 so the single file can be mailed or opened
+anywhere, the PNGs are also kept beside it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from qladder.validate import plots
+from qladder.validate.outcome import read_jsonl
 
 Block = tuple[str, Any]  # ("h2", text) | ("p", text) | ("table", (header, rows)) | ("img", (file, alt))
 
@@ -31,77 +34,160 @@ def _shares(d: dict[str, float]) -> str:
     return ", ".join(f"{k} {100 * v:.1f}%" for k, v in d.items()) or "n/a"
 
 
-def _pair(lat: dict[str, Any]) -> str:
-    return f"{_f(lat['per_token_p50_ms'], '{:.2f}')} / {_f(lat['per_token_p99_ms'], '{:.2f}')}"
+def _r(x: Any) -> str:
+    return _f(x, "{:.3f}")
 
 
-def main_table(r: dict[str, Any], labels: tuple[str, str] = ("bare int4", "guarded ladder")
-               ) -> tuple[list[str], list[list[str]]]:
-    b, g, ratio = r["bare"], r["guarded"], r["latency_ratio_guarded_over_bare"]
-    lb, lg = b["latency_normal"], g["latency_normal"]
-    rows = [
-        ["P50 latency, normal prompts (ms)", _f(lb["p50_ms"]), _f(lg["p50_ms"]), _f(ratio["p50"], "{:.3f}")],
-        ["P99 latency, normal prompts (ms)", _f(lb["p99_ms"]), _f(lg["p99_ms"]), _f(ratio["p99"], "{:.3f}")],
-        ["P99 over prompts of each prompt's median latency (ms)", _f(ratio.get("bare_p99_prompt_medians_ms")),
-         _f(ratio.get("guarded_p99_prompt_medians_ms")), _f(ratio.get("p99_prompt_medians"), "{:.3f}")],
-        ["paired median latency ratio", "", "", _f(ratio["paired_median"], "{:.3f}")],
-        ["per-token decode P50 / P99 (ms)", _pair(lb), _pair(lg), _f(ratio["per_token_p50"], "{:.3f}")],
-        ["memory (process RSS, MB)", _f(b["memory_rss_mb"], "{:.0f}"), _f(g["memory_rss_mb"], "{:.0f}"), ""],
-        ["garbage output, crafted prompts", _pct(b["garbage_rate"]), _pct(g["garbage_rate"]), ""],
-        ["... of which fp32 alone answers the same garbage (the model's own)", "",
-         str(g.get("garbage_model_own", 0)), ""],
-        ["5xx, crafted prompts", _pct(b["error_rate"]), _pct(g["error_rate"]), ""],
-        ["4xx (refused), crafted prompts", _pct(b["reject_rate"]), _pct(g["reject_rate"]), ""],
-        ["safe fallback answers", str(b["fallback"]), str(g["fallback"]), ""],
-        ["ended on a confirmed loop (finish: repetition), crafted prompts",
-         _ended(b.get("ended_on_repetition")), _ended(g.get("ended_on_repetition")), ""],
-        ["handoff latency mean / P99 (ms)", "n/a",
-         f"{_f(g['handoff']['mean_ms'])} / {_f(g['handoff']['p99_ms'])}", ""],
-        ["tokens per rung (all requests)", _shares(b["rung_share_all"]), _shares(g["rung_share_all"]), ""],
-        ["false handoffs, clean traffic", "n/a", _pct(g["false_handoff_rate"]), ""],
-        ["greedy agreement with fp32 (prefix / position)",
-         f"{_pct(b['agreement_fp32'].get('prefix'))} / {_pct(b['agreement_fp32'].get('position'))}",
-         f"{_pct(g['agreement_fp32'].get('prefix'))} / {_pct(g['agreement_fp32'].get('position'))}", ""],
+def _count(row: dict[str, Any], key: str) -> str:
+    if not row:
+        return "n/a"
+    return f"{row[key]} ({_pct(row[key + '_rate'])})"
+
+
+ROWS = (("answered clean", "answered_clean"), ("garbage (raw)", "garbage"),
+        ("... of which fp32 alone gives the same ids (the model's own)", "garbage_fp32_identical"),
+        ("garbage beyond fp32's own (net)", "garbage_net"), ("safe fallback answers", "fallback"),
+        ("5xx (errors, timeouts, dropped connections)", "five_xx"), ("4xx (refused)", "four_xx"),
+        ("unjudged (likelihood not computed)", "unjudged"))
+
+
+def split_table(f: dict[str, Any], labels: tuple[str, str]) -> tuple[list[str], list[list[str]]]:
+    """Crafted prompts (abnormal, faulted or not), per half: bare and guarded side by side."""
+    cr = f["crafted"]
+    header = [""] + [f"{split}: {lab}" for split in ("train", "test", "all") for lab in labels]
+    rows = [["requests"] + [str(cr[s].get(c, {}).get("requests", 0)) for s in ("train", "test", "all")
+                            for c in ("bare", "guarded")]]
+    rows += [[name] + [_count(cr[s].get(c, {}), key) for s in ("train", "test", "all") for c in ("bare", "guarded")]
+             for name, key in ROWS]
+    q = f["quality"]
+    rows.append(["greedy faulted answers token-identical to fp32's continuation of their int4 prefix"]
+                + [x for s in ("train", "test", "all") for x in
+                   ("", f"{q[s]['identical']} of {q[s]['requests']} ({_pct(q[s]['share'])})")])
+    return header, rows
+
+
+def latency_tables(f: dict[str, Any], labels: dict[str, str]) -> list[Block]:
+    lat = f["latency"]
+    sides = lat["normal"]
+    names = [c for c in ("bare", "bare_aa", "guarded") if c in sides]
+    head = ["normal prompts, no fault"] + [labels.get(c, c) for c in names]
+    rows = [[k, *[_f(sides[c][key]) for c in names]] for k, key in
+            (("requests", "requests"), ("failed (counted as the slowest latency)", "failed"),
+             ("P50 (ms)", "p50_ms"), ("P90 (ms)", "p90_ms"), ("P99 (ms)", "p99_ms"),
+             ("time to first text P50 (ms)", "ttft_p50_ms"), ("time to first text P99 (ms)", "ttft_p99_ms"))]
+    rows[0][1:] = [str(sides[c]["requests"]) for c in names]
+    rows[1][1:] = [str(sides[c]["failed"]) for c in names]
+    out: list[Block] = [("table", (head, rows))]
+    ratios = lat["ratios"]
+    keys = [k for k in ("guarded_over_bare", "aa_over_bare") if k in ratios]
+    head = ["ratio"] + ["guarded / bare" if k == "guarded_over_bare" else "A/A: bare_aa / bare" for k in keys]
+    rrows = [[name, *[(_r(ratios[k][key]) if key != "prompts_over_1_05" and key != "prompts"
+                       and key != "requests_per_side" else str(ratios[k][key])) for k in keys]]
+             for name, key in (("prompts", "prompts"), ("per-prompt median ratio, P50 over prompts", "per_prompt_p50"),
+                               ("per-prompt median ratio, P90 over prompts", "per_prompt_p90"),
+                               ("per-prompt median ratio, P99 over prompts", "per_prompt_p99"),
+                               ("per-prompt median ratio, max", "per_prompt_max"),
+                               ("prompts with a median ratio over 1.05", "prompts_over_1_05"),
+                               ("pooled P50", "pooled_p50"), ("pooled P99", "pooled_p99"),
+                               ("requests per side (pooled)", "requests_per_side"),
+                               ("median of ratios paired by (prompt, round)", "paired_median"))]
+    out.append(("table", (head, rrows)))
+    rounds = sorted({r for k in keys for r in ratios[k]["rounds"]}, key=int)
+    head = ["round", *[f"{h} {q}" for h in ("guarded / bare", "A/A") for q in ("P50", "P99")][:2 * len(keys)]]
+    out.append(("table", (head, [[r, *[_r(ratios[k]["rounds"].get(r, {}).get(q)) for k in keys for q in ("p50", "p99")]]
+                                 for r in rounds])))
+    return out
+
+
+def summary_table(f: dict[str, Any], r: dict[str, Any], labels: tuple[str, str]) -> tuple[list[str], list[list[str]]]:
+    mem = r.get("memory_mb") or {}
+    fh, ho, rs = f["false_handoffs"], f["handoff"], f["rung_share"]
+    b, g = f["normal"].get("bare", {}), f["normal"].get("guarded", {})
+    rows = [["memory (MB)", _f(mem.get("bare"), "{:.0f}"), _f(mem.get("guarded"), "{:.0f}")],
+            ["handoff latency mean / P99 (ms)", "n/a",
+             f"{_f(ho.get('guarded', {}).get('mean_ms'))} / {_f(ho.get('guarded', {}).get('p99_ms'))}"],
+            ["tokens per rung (all requests)", _shares(rs.get("bare", {})), _shares(rs.get("guarded", {}))],
+            ["false handoffs, normal test-half prompts without a fault", "n/a",
+             f"{fh.get('guarded', {}).get('handed_off')} of {fh.get('guarded', {}).get('requests')} "
+             f"({_pct(fh.get('guarded', {}).get('rate'))})"],
+            ["garbage on normal prompts", _count(b, "garbage"), _count(g, "garbage")],
+            ["normal answers identical to fp32's greedy answer (reference prompts)",
+             *[f"{x.get('identical')} of {x.get('computed')} ({_pct(x.get('share'))})"
+               for x in (f["fp32_identical_normal"].get("bare", {}), f["fp32_identical_normal"].get("guarded", {}))]],
+            ["ended on a confirmed loop (finish: repetition), crafted",
+             str(f["ended_on_repetition"].get("bare", {}).get("requests")),
+             str(f["ended_on_repetition"].get("guarded", {}).get("requests"))]]
+    return ["", *labels], rows
+
+
+def verdict_table(f: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    rows = [[v["name"], _f(v["value"], "{:.4g}") if isinstance(v["value"], float) else _f(v["value"]),
+             _f(v["limit"], "{:g}"), v["status"].upper(), v["note"]] for v in f["verdicts"]]
+    return ["target (fixed before the run, qladder.validate.recompute.TARGETS)", "measured", "limit", "", "note"], rows
+
+
+def fault_table(f: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    rows = []
+    bf, gf = f["by_fault"].get("bare", {}), f["by_fault"].get("guarded", {})
+    for k in sorted(set(bf) | set(gf), key=lambda k: (str((bf.get(k) or gf.get(k) or {}).get("fault_set")), k)):
+        b, g = bf.get(k, {}), gf.get(k, {})
+        rows.append([k, str(b.get("fault_set") or g.get("fault_set") or "-"), str(b.get("requests", 0)),
+                     _pct(b.get("answered_clean_rate")), _pct(b.get("garbage_rate")), _pct(b.get("five_xx_rate")),
+                     _pct(g.get("answered_clean_rate")), _pct(g.get("garbage_rate")), _pct(g.get("garbage_net_rate")),
+                     _pct(g.get("fallback_rate")), _pct(g.get("five_xx_rate")),
+                     f"{_f(b.get('max_latency_ms'))} / {_f(g.get('max_latency_ms'))}",
+                     ", ".join(sorted(set(b.get("reasons", {})) | set(g.get("reasons", {})))) or "-"])
+    return ["fault model", "set", "requests", "bare clean", "bare garbage", "bare 5xx", "guarded clean",
+            "guarded garbage", "guarded garbage net", "guarded fallback", "guarded 5xx",
+            "slowest bare / guarded (ms)", "symptoms seen"], rows
+
+
+def class_table(f: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    bc, gc = f["by_class"].get("bare", {}), f["by_class"].get("guarded", {})
+    rows = [[c, str(bc.get(c, {}).get("requests", 0)), _pct(bc.get(c, {}).get("answered_clean_rate")),
+             _pct(gc.get(c, {}).get("answered_clean_rate")), _pct(gc.get(c, {}).get("garbage_net_rate"))]
+            for c in sorted(set(bc) | set(gc))]
+    return ["prompt class", "requests", "bare answered clean", "guarded answered clean", "guarded garbage net"], rows
+
+
+def judge_text(f: dict[str, Any]) -> str:
+    j = f["judge"]
+    return (f"Garbage = any symptom judged from the ids and the text (NaN words, U+FFFD or control runs not in the "
+            f"sanitized prompt, black squares, floods of one token or character of 6 or more, token-0 floods, "
+            f"empty answers, loops by rep-4 and zlib) or `implausible`: fp32, reading the answer after the same "
+            f"prompt ids, gives it a mean NLL over {j['threshold_nll']:g} nats/token. {j['scored']} of "
+            f"{j['answers']} answers scored; {j['unjudged']} unjudged (scoring failed, no symptom): "
+            f"{_pct(j['unjudged_share'])}. Clean answers (no fault) reach at most {_f(j['clean_max_nll'], '{:.2f}')} "
+            f"(median {_f(j['clean_p50_nll'], '{:.2f}')}), {j['clean_over_threshold']} of {j['clean_scored']} over "
+            f"the threshold. Answer ids re-tokenized from text (a server that gave none): "
+            f"{j['token_ids_retokenized']}. The fallback is its own column and never counts as clean.")
+
+
+def common_blocks(r: dict[str, Any], images: dict[str, str | None], labels: tuple[str, str],
+                  side_labels: dict[str, str]) -> list[Block]:
+    f = r["figures"]
+    out: list[Block] = [
+        ("h2", f"Verdict: {f['verdict'].upper()}"), ("table", verdict_table(f)),
+        ("h2", "Crafted prompts (abnormal, with and without a fault), per half"),
+        ("p", "train: the fault models and prompts the guard's bounds and the calibration scripts were tuned on "
+              "(in-sample); test: held-out fault models (other tensors, rows, factors, glitch tokens, steps) on the "
+              "other half of the prompts. `answered clean` = an answer that is neither garbage, nor the fallback, "
+              "nor unjudged; 5xx and 4xx are neither."),
+        ("table", split_table(f, labels)), ("table", summary_table(f, r, labels)),
+        ("h2", "Latency, normal prompts"),
+        ("p", "Each prompt's median over the rounds, guarded over bare, read at P90 and P99 over prompts, and "
+              "the pooled P99 over every request; the A/A pair (two identical bare engines) is the noise "
+              "floor. A request with no answer counts as the run's slowest latency."),
+        *latency_tables(f, side_labels),
     ]
-    return ["", *labels, "guarded / bare"], rows
-
-
-def verdicts(r: dict[str, Any]) -> list[list[str]]:
-    g, ratio = r["guarded"], r["latency_ratio_guarded_over_bare"]
-    checks = [("guarded garbage on crafted prompts, beyond what fp32 alone answers, = 0%",
-               g.get("garbage_beyond_fp32_rate", g["garbage_rate"]), lambda v: v == 0, _pct),
-              ("guarded 5xx on crafted prompts = 0%", g["error_rate"], lambda v: v == 0, _pct),
-              ("false handoff rate <= 0.5%", g["false_handoff_rate"], lambda v: v <= 0.005, _pct),
-              ("P99 guarded / bare <= 1.01 (P99 over prompts of each prompt's median of the interleaved "
-               "rounds)", ratio.get("p99_prompt_medians"), lambda v: v <= 1.01, lambda v: _f(v, "{:.3f}"))]
-    rows = [[name, fmt(v), "n/a" if v is None else ("PASS" if ok(v) else "FAIL")] for name, v, ok, fmt in checks]
-    rows.append(["P99 guarded / bare over every request, rounds pooled (machine noise included)",
-                 _f(ratio["p99"], "{:.3f}"), "for reading the line above"])
-    aa = ((r.get("latency_boundary") or {}).get("levels") or {}).get("bare (A/A control)")
-    if aa:
-        rows.append(["noise floor: P99 ratio of two identical configurations (A/A)",
-                     _f(aa.get("p99_ratio"), "{:.3f}"), "for reading the line above"])
-    return rows
-
-
-def fault_table(r: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    rows = []
-    for f, b in r["bare"]["by_fault"].items():
-        g = r["guarded"]["by_fault"].get(f, {})
-        rows.append([f, str(b["requests"]), _pct(b["garbage_rate"]), _pct(b["error_rate"]),
-                     _pct(g.get("garbage_rate")), _pct(g.get("error_rate")),
-                     f"{_f(b.get('max_wall_ms'))} / {_f(g.get('max_wall_ms'))}",
-                     ", ".join(sorted(set(b["garbage_reasons"]) | set(g.get("garbage_reasons", {})))) or "-"])
-    return ["fault model", "requests", "bare garbage", "bare 5xx", "guarded garbage", "guarded 5xx",
-            "slowest request bare / guarded (ms)", "symptoms seen"], rows
-
-
-def class_table(r: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    rows = []
-    for c, b in r["bare"]["by_class"].items():
-        g = r["guarded"]["by_class"].get(c, {})
-        rows.append([c, str(b["requests"]), _pct(b["failure_rate"]), _pct(g.get("failure_rate"))])
-    return ["prompt class", "requests", "bare failures (garbage+5xx+4xx)", "guarded failures"], rows
+    if images.get("latency_cdf"):
+        out.append(("img", (images["latency_cdf"], "latency CDF")))
+    out += [("h2", "Per fault model (crafted prompts)")]
+    if images.get("replay"):
+        out.append(("img", (images["replay"], "answers per fault model")))
+    out += [("table", fault_table(f)), ("p", judge_text(f)),
+            ("h2", "Per prompt class (crafted)"), ("table", class_table(f))]
+    return out
 
 
 def precision_blocks(r: dict[str, Any], img: str | None) -> list[Block]:
@@ -188,61 +274,6 @@ def availability_blocks(r: dict[str, Any], img: str | None) -> list[Block]:
     return out
 
 
-def method_blocks(r: dict[str, Any]) -> list[Block]:
-    env, meth, cfg = r["environment"], r["method"], r["config"]
-    v = env["versions"]
-    rows = [["versions", ", ".join(f"{k} {val}" for k, val in v.items() if val)],
-            ["CPU", f"{env['cpu'].get('model')} ({env['cpu'].get('usable_cpus')} usable of "
-                    f"{env['cpu'].get('logical_cpus')}, via {env['cpu'].get('source')})"],
-            ["threads", f"engine {env['engine_threads']}, torch {env['torch_threads']}"],
-            ["int4 activation monitor", str(env.get("int4_activation_monitor"))],
-            ["load average start / end", f"{env['load_average_start']} / {env.get('load_average_end')}"],
-            ["context", str(env["n_ctx"])],
-            ["warm-up", f"{meth['warmup_requests_per_config']} requests per configuration"],
-            ["windows", f"{meth['rounds_normal']} rounds of {meth['prompts']['normal']} normal prompts; "
-                        f"{meth['prompts']['abnormal']} abnormal prompts; max_tokens {cfg['max_tokens']}"],
-            ["seeds", ", ".join(f"{k}={val}" for k, val in meth["seeds"].items())],
-            ["garbage collector", meth.get("gc", "on throughout")],
-            ["failure paths seen", ", ".join(r["failure_paths_seen"])],
-            ["incidents recorded", f"{r['incidents_recorded']} (incidents.sqlite3)"],
-            ["peak RSS of the run", f"{env['peak_rss_mb_process']:.0f} MB"],
-            ["elapsed", f"{r.get('elapsed_s', 0):.0f} s"]]
-    faults = [[fm["name"], ", ".join(fm["specs"]), fm["phenomenon"]] for fm in r["fault_models"]]
-    return [("h2", "Method and environment"), ("table", (["", ""], rows)), ("p", meth["memory_note"]),
-            ("h2", "Fault models"), ("table", (["model", "spec", "emulates"], faults))]
-
-
-def blocks(r: dict[str, Any], images: dict[str, str | None]) -> list[Block]:
-    mode = "quick" if r["config"]["quick"] else "full"
-    out: list[Block] = [
-        ("h1", "qladder validate: bare INT4 vs the guarded ladder"),
-        ("p", f"Run mode **{mode}**, {r['method']['prompts']['normal']} normal and "
-              f"{r['method']['prompts']['abnormal']} abnormal prompts, both configurations on the same prompts "
-              f"and faults in one process. Crafted = abnormal prompts with and without a fault model."),
-        ("table", main_table(r)),
-        ("h2", "Targets"), ("table", (["target", "measured", ""], verdicts(r))),
-    ]
-    if images.get("latency_cdf"):
-        out.append(("img", (images["latency_cdf"], "latency CDF")))
-    out += [("h2", "Per fault model (abnormal prompts)")]
-    if images.get("replay"):
-        out.append(("img", (images["replay"], "garbage and 5xx per fault model")))
-    out += [("table", fault_table(r))]
-    j = r.get("garbage_judge") or {}
-    if j.get("scored"):
-        out.append(("p", "Garbage = any symptom of the incident (NaN text, U+FFFD, black squares, loops, "
-                         "token-0 floods, empty) or `implausible`: the fp32 rung, reading the answer after "
-                         f"the same prompt, gives it a mean NLL over {j['threshold_nll']:g} nats/token. "
-                         f"{j['scored']} abnormal answers scored; clean ones (no fault) reach at most "
-                         f"{_f(j.get('clean_max_nll'), '{:.2f}')} (median {_f(j.get('clean_p50_nll'), '{:.2f}')}), "
-                         f"{j.get('clean_flagged', 0)} of {j.get('clean_scored', 0)} over the threshold."))
-    out += [("h2", "Per prompt class (crafted)"), ("table", class_table(r))]
-    out += precision_blocks(r, images.get("precision"))
-    out += latency_blocks(r, images.get("latency_levels"))
-    out += availability_blocks(r, images.get("availability"))
-    return out + method_blocks(r)
-
-
 def to_markdown(bl: list[Block]) -> str:
     lines: list[str] = []
     for kind, body in bl:
@@ -287,48 +318,110 @@ def to_html(bl: list[Block], out_dir: Path) -> str:
     return "\n".join(parts)
 
 
-def write_report(r: dict[str, Any], out_dir: Path) -> dict[str, str | None]:
+def method_blocks(r: dict[str, Any]) -> list[Block]:
+    env, meth, cfg = r["environment"], r["method"], r["config"]
+    v = env["versions"]
+    rows = [["versions", ", ".join(f"{k} {val}" for k, val in v.items() if val)],
+            ["CPU", f"{env['cpu'].get('model')} ({env['cpu'].get('usable_cpus')} usable of "
+                    f"{env['cpu'].get('logical_cpus')}, via {env['cpu'].get('source')})"],
+            ["threads", f"engine {env['engine_threads']}, torch {env['torch_threads']}"],
+            ["int4 activation monitor", str(env.get("int4_activation_monitor"))],
+            ["load average start / end", f"{env['load_average_start']} / {env.get('load_average_end')}"],
+            ["context", str(env["n_ctx"])],
+            ["warm-up", f"{meth['warmup_requests_per_config']} requests per configuration (written, not counted)"],
+            ["windows", f"{meth['rounds_normal']} rounds of {meth['prompts']['normal']} normal prompts; "
+                        f"{meth['prompts']['abnormal']} abnormal prompts; max_tokens {cfg['max_tokens']}"],
+            ["order", meth["order"]], ["engines", meth["engines"]],
+            ["seeds", ", ".join(f"{k}={val}" for k, val in meth["seeds"].items())],
+            ["garbage collector", meth.get("gc", "on throughout")],
+            ["incidents recorded", f"{r['incidents_recorded']} (incidents.sqlite3)"],
+            ["peak RSS of the run", f"{env['peak_rss_mb_process']:.0f} MB"],
+            ["elapsed", f"{r.get('elapsed_s', 0):.0f} s"]]
+    return [("h2", "Method and environment"), ("table", (["", ""], rows)), ("p", meth["memory_note"]),
+            *fault_model_blocks(r)]
+
+
+def fault_model_blocks(r: dict[str, Any]) -> list[Block]:
+    faults = [[fm["name"], fm["fault_set"], ", ".join(fm["specs"]) or str(fm.get("applied_patch") or fm["gguf_patch"]),
+               fm["phenomenon"]] for fm in r["fault_models"]]
+    return [("h2", "Fault models"), ("table", (["model", "set", "spec / patch", "emulates"], faults))]
+
+
+def recompute_text(r: dict[str, Any]) -> str:
+    return ("Every figure below is computed from outcomes.jsonl (one line per request, warm-up included) by "
+            "`qladder.validate.recompute`; `python -m qladder.validate.recompute DIR` reproduces results.json's "
+            "figures from it and exits 1 on any difference (`--check`: also on a missed target).")
+
+
+IN_PROCESS_LABELS = ("bare int4", "guarded ladder")
+SIDE_LABELS = {"bare": "bare int4", "bare_aa": "bare int4 (A/A copy)", "guarded": "guarded ladder"}
+
+
+def blocks(r: dict[str, Any], bounds: dict[str, Any], images: dict[str, str | None]) -> list[Block]:
+    mode = "quick" if r["config"]["quick"] else "full"
+    m = r["method"]
+    out: list[Block] = [
+        ("h1", "qladder validate: bare INT4 vs the guarded ladder"),
+        ("p", f"Run mode **{mode}**, {m['prompts']['normal']} normal prompts x {m['rounds_normal']} rounds and "
+              f"{m['prompts']['abnormal']} abnormal prompts ({m['prompts']['abnormal_by_split']}), each "
+              f"configuration on a serving engine of its own, one request at a time. {recompute_text(r)}"),
+        *common_blocks(r, images, IN_PROCESS_LABELS, SIDE_LABELS),
+    ]
+    legacy = {"precision_boundary": bounds.get("precision"), "latency_boundary": bounds.get("latency"),
+              "availability_boundary": bounds.get("availability")}
+    out += [("p", "The boundaries below are separate instruments (boundaries.json), not requests of the replay.")]
+    out += precision_blocks(legacy, images.get("precision"))
+    out += latency_blocks(legacy, images.get("latency_levels"))
+    out += availability_blocks(legacy, images.get("availability"))
+    return out + method_blocks(r)
+
+
+def _latency_samples(out_dir: Path) -> dict[str, list[float]]:
+    path = out_dir / "outcomes.jsonl"
+    if not path.is_file():
+        return {}
+    walls: dict[str, list[float]] = {}
+    for o in read_jsonl(path):
+        if o.phase == "normal" and o.ok:
+            walls.setdefault(o.config, []).append(o.latency_ms)
+    return walls
+
+
+def _draw(r: dict[str, Any], out_dir: Path, extra: dict[str, Any]) -> dict[str, str | None]:
     images: dict[str, str | None] = {}
-    if plots.available():
-        walls = r.get("latency_samples_normal_ms") or {}
-        for name, draw in (("replay", lambda p: plots.replay(r, p)),
-                           ("latency_cdf", lambda p: plots.latency_cdf(walls, p)),
-                           ("precision", lambda p: plots.precision(r, p)),
-                           ("latency_levels", lambda p: plots.latency_levels(r, p)),
-                           ("availability", lambda p: plots.availability(r, p))):
-            path = draw(out_dir / f"{name}.png")
-            images[name] = path.name if path else None
-    bl = blocks(r, images)
+    if not plots.available():
+        return images
+    walls = _latency_samples(out_dir)
+    draws = {"replay": lambda p: plots.replay(r["figures"], p), "latency_cdf": lambda p: plots.latency_cdf(walls, p)}
+    draws |= extra
+    for name, draw in draws.items():
+        path = draw(out_dir / f"{name}.png")
+        images[name] = path.name if path else None
+    return images
+
+
+def _write(bl: list[Block], out_dir: Path) -> None:
     if not plots.available():
         bl.insert(1, ("p", "matplotlib is not installed: plots were skipped (pip install matplotlib)."))
     (out_dir / "report.md").write_text(to_markdown(bl), encoding="utf-8")
     (out_dir / "report.html").write_text(to_html(bl, out_dir), encoding="utf-8")
+
+
+def write_report(r: dict[str, Any], bounds: dict[str, Any], out_dir: Path) -> dict[str, str | None]:
+    legacy = {"precision_boundary": bounds.get("precision"), "latency_boundary": bounds.get("latency"),
+              "availability_boundary": bounds.get("availability")}
+    images = _draw(r, out_dir, {"precision": lambda p: plots.precision(legacy, p),
+                                "latency_levels": lambda p: plots.latency_levels(legacy, p),
+                                "availability": lambda p: plots.availability(legacy, p)})
+    _write(blocks(r, bounds, images), out_dir)
     return images
-
-
-def _ended(e: dict[str, Any] | None) -> str:
-    if not e:
-        return "n/a"
-    return f"{e['requests']} ({_pct(e['rate'])}; judged garbage: {e['judged_garbage']})"
 
 
 # -- qladder validate --remote ---------------------------------------------------------------------------
 
-REMOTE_LABELS = ("bare llama-server", "qladder serve (llama-server + vLLM)")
-
-
-def remote_verdicts(r: dict[str, Any]) -> list[list[str]]:
-    g = r["guarded"]
-    checks = [("guarded garbage on crafted prompts, beyond what fp32 alone answers, = 0%",
-               g.get("garbage_beyond_fp32_rate"), lambda v: v == 0, _pct),
-              ("guarded 5xx on crafted prompts = 0%", g["error_rate"], lambda v: v == 0, _pct),
-              ("P99 of normal requests, gateway / bare llama-server <= 1.05 (every request, rounds pooled)",
-               r.get("p99_ratio_gateway_over_bare"), lambda v: v <= 1.05, lambda v: _f(v, "{:.3f}"))]
-    rows = [[name, fmt(v), "n/a" if v is None else ("PASS" if ok(v) else "FAIL")] for name, v, ok, fmt in checks]
-    ratio = r["latency_ratio_guarded_over_bare"]
-    rows.append(["P99 over prompts of each prompt's median (machine noise damped)",
-                 _f(ratio.get("p99_prompt_medians"), "{:.3f}"), "for reading the line above"])
-    return rows
+REMOTE_LABELS = ("bare llama-server", "qladder serve")
+REMOTE_SIDE_LABELS = {"bare": "bare llama-server", "bare_aa": "bare llama-server (A/A: a second process)",
+                      "guarded": "qladder serve (llama-server + vLLM)"}
 
 
 def server_table(r: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -345,65 +438,22 @@ def server_table(r: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return ["", "version", "flags", "threads"], rows
 
 
-def beside_table(b: dict[str, Any], r: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    rows = []
-    for name, key, fmt in (("garbage, crafted prompts", "garbage_rate", _pct),
-                           ("garbage beyond fp32's own", "garbage_beyond_fp32_rate", _pct),
-                           ("5xx, crafted prompts", "error_rate", _pct),
-                           ("P99 latency, normal prompts (ms)", "p99_ms", _f)):
-        def get(sec: dict[str, Any], key: str = key) -> Any:
-            return sec.get("latency_normal", {}).get("p99_ms") if key == "p99_ms" else sec.get(key)
-
-        rows.append([name, fmt(b["bare"].get(key)), fmt(b["guarded"].get(key)), fmt(get(r["bare"])),
-                     fmt(get(r["guarded"]))])
-    return ["", "in-process bare int4", "in-process guarded", "remote bare", "remote guarded"], rows
-
-
 def remote_blocks(r: dict[str, Any], images: dict[str, str | None]) -> list[Block]:
     mode = "quick" if r["config"]["quick"] else "full"
     m = r["method"]
-    head, rows = main_table(r, REMOTE_LABELS)
-    t = r.get("ttft_normal_ms") or {}
-    if t:
-        rows.insert(4, ["time to first text P50 / P99, normal prompts (ms)",
-                        f"{_f(t['bare']['p50'])} / {_f(t['bare']['p99'])}",
-                        f"{_f(t['guarded']['p50'])} / {_f(t['guarded']['p99'])}",
-                        "the gateway holds an answer's first 8 tokens on the INT4 rung (the draft "
-                        "check), then 7 behind (the diffuse window)"])
     out: list[Block] = [
         ("h1", "qladder validate --remote: bare llama-server vs qladder serve over llama-server + vLLM"),
         ("p", f"Run mode **{mode}**, {m['prompts']['normal']} normal prompts x {m['rounds_normal']} rounds and "
               f"{m['prompts']['abnormal']} abnormal prompts, {m['clients']} clients in parallel. {m['order']}. "
-              f"{m['faults_note']}. Crafted = abnormal prompts with and without a fault model."),
-        ("table", (head, rows)),
-        ("h2", "Targets"), ("table", (["target", "measured", ""], remote_verdicts(r))),
+              f"{m['faults_note']}. {recompute_text(r)}"),
+        *common_blocks(r, images, REMOTE_LABELS, REMOTE_SIDE_LABELS),
+        ("h2", "Servers"), ("table", server_table(r)),
+        ("p", f"Incidents recorded by each qladder serve: {r.get('incidents_recorded')}. Draft checks by each "
+              f"(vLLM scored: passed, refused, unchecked; released unscored: confident; not held: skipped): "
+              f"{r.get('draft_checks')}. {m['memory_note']}."),
     ]
-    if images.get("latency_cdf"):
-        out.append(("img", (images["latency_cdf"], "latency CDF")))
-    out += [("h2", "Per fault model (abnormal prompts)")]
-    if images.get("replay"):
-        out.append(("img", (images["replay"], "garbage and 5xx per fault model")))
-    out += [("table", fault_table(r)), ("h2", "Per prompt class (crafted)"), ("table", class_table(r)),
-            ("h2", "Servers"), ("table", server_table(r)),
-            ("p", f"Incidents recorded by each qladder serve: {r.get('incidents_recorded')}. Draft checks by "
-                  f"each (vLLM scored: passed, refused, unchecked; released unscored: confident; not held: "
-                  f"skipped): {r.get('draft_checks')}. {m['memory_note']}.")]
-    b = r.get("beside_in_process")
-    if b:
-        out += [("h2", "Beside the in-process run"),
-                ("p", f"From {b['path']} ({'quick' if b.get('quick') else 'full'} run)."),
-                ("table", beside_table(b, r))]
-    return out
+    return out + fault_model_blocks(r)
 
 
 def write_remote_report(r: dict[str, Any], out_dir: Path) -> None:
-    images: dict[str, str | None] = {}
-    if plots.available():
-        walls = r.get("latency_samples_normal_ms") or {}
-        for name, draw in (("replay", lambda p: plots.replay(r, p)),
-                           ("latency_cdf", lambda p: plots.latency_cdf(walls, p))):
-            path = draw(out_dir / f"{name}.png")
-            images[name] = path.name if path else None
-    bl = remote_blocks(r, images)
-    (out_dir / "report.md").write_text(to_markdown(bl), encoding="utf-8")
-    (out_dir / "report.html").write_text(to_html(bl, out_dir), encoding="utf-8")
+    _write(remote_blocks(r, _draw(r, out_dir, {})), out_dir)

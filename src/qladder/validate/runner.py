@@ -1,16 +1,21 @@
 """The whole `qladder validate` run: load once, replay, sweep, model, write results and report.
 
-Phases, in order (one process, the engines loaded once and shared by every configuration):
-    warm-up         a few requests through bare and guarded, not counted
-    normal          normal prompts, no fault, `rounds` times, bare and guarded interleaved with
-                    alternating order (latency, false handoffs)
-    reference       fp32 greedy answers to the normal prompts (agreement)
+Phases, in order (one process; each configuration on a serving engine of its own, see replay.py):
+    warm-up         a few requests through each configuration (written, never counted)
+    normal          normal prompts, no fault, `rounds` times, bare, bare_aa (the A/A copy) and
+                    guarded, the order rotated per prompt and round (latency, false handoffs)
     abnormal        abnormal prompts, no fault, bare and guarded
-    faulted         (abnormal prompt, fault model) pairs, bare and guarded
-    judge           fp32 likelihood of every abnormal answer (the "implausible" garbage reason)
+    faulted         each fault set's (prompt, model) pairs: the train models on the train half of
+                    the abnormal prompts, the held-out test models on the test half
+    judge           every answer's symptoms and fp32 likelihood (a scoring failure: unjudged)
+    references      fp32 alone, greedy, on the same prompt ids (is a garbage answer fp32's own?),
+                    and fp32's continuation of each guarded faulted answer's int4 prefix
     precision       the gain sweep over int4, w4a16, fp32
     latency         the check levels, and the fp32 activation monitors' cost
     availability    the standby queueing model from the measured service times, and its simulation
+
+outcomes.jsonl holds every request; results.json's figures are computed from that file
+(`qladder.validate.recompute`); the sweeps and the queueing model go to boundaries.json.
 """
 
 from __future__ import annotations
@@ -27,16 +32,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qladder.model import user_prompt_ids
+from qladder.percentiles import mean
 from qladder.validate import queueing
 from qladder.validate.boundaries import LEVELS
 from qladder.validate.corpora import Prompt, load_corpora, subset
 from qladder.validate.environment import load_average, peak_rss_mb, rss_mb, snapshot
-from qladder.validate.fault_models import Assignment, FaultModel, assign, by_name
-from qladder.validate.replay import Bare, Guarded, Outcome, agreement, greedy
-from qladder.validate.stats import mean, paired_ratio, percentile, section
+from qladder.validate.fault_models import FAULT_SETS, FaultModel, assign, by_name
+from qladder.validate.outcome import Outcome
+from qladder.validate.replay import RUN, Bare, Guarded, greedy
 
 if TYPE_CHECKING:
-    from qladder.faults import Fault
     from qladder.sampling import SamplingParams
 
 QUICK_ABNORMAL = {"long_math": 2, "code_block": 2, "control_bytes": 2, "unicode_zero_width_bidi_homoglyph": 2,
@@ -58,7 +63,7 @@ class ValidateConfig:
     abnormal_per_class: dict[str, int] | int = field(default_factory=lambda: dict(FULL_ABNORMAL))
     fault_names: tuple[str, ...] = ()
     prompts_per_fault: int = 5
-    rounds: int = 2
+    rounds: int = 3  # 224 normal prompts x 3: >= 500 requests per side for the pooled P99
     warmup: int = 2
     reference_prompts: int | None = 48  # normal prompts answered by fp32 for agreement (None: all)
     sweep_xs: tuple[float, ...] = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0)
@@ -139,33 +144,36 @@ class Run:
     engines: dict[str, Any] = field(default_factory=dict)
     memory: dict[str, float] = field(default_factory=dict)
     outcomes: list[Outcome] = field(default_factory=list)
+    ids: list[list[int]] = field(default_factory=list)  # the prompt ids each outcome fed its engine
     times: dict[str, float] = field(default_factory=dict)
     cleanup: list[Path] = field(default_factory=list)  # temporary folders (patched GGUF copies)
     patches: dict[str, dict[str, object]] = field(default_factory=dict)  # what each copy changed
     standby: dict[str, Any] = field(default_factory=dict)  # the concurrent standby replay
+    configs: dict[str, Bare | Guarded] = field(default_factory=dict)  # bare, bare_aa, guarded
     patched: dict[str, tuple[Bare, Guarded]] = field(default_factory=dict)  # fault model -> configs
-    served: list[Any] = field(default_factory=list)  # serving engines to close (main, patched copies)
+    served: list[Any] = field(default_factory=list)  # serving engines to close
 
     def total_steps(self) -> int:
         c = self.cfg
-        n_fault = len(self.assignments())
+        n_fault = sum(len(self.assignments(fs)) for fs in FAULT_SETS)
         sweep = min(c.sweep_prompts, len(SWEEP_PROMPTS)) * len(c.sweep_xs) * 3
         n_levels = min(c.level_prompts, len(self.normal))
         levels = n_levels * c.level_rounds * len(LEVELS) + min(2, n_levels) * c.monitor_rounds * 2
-        return (3 + 2 * c.warmup + 2 * len(self.normal) * c.rounds + len(self.reference_set())
-                + 4 * len(self.abnormal) + 4 * n_fault + sweep + levels + len(c.replay_utilizations) + 1)
+        return (3 + 3 * c.warmup + 3 * len(self.normal) * c.rounds + 2 * len(self.abnormal) + 2 * n_fault
+                + 3 + sweep + levels + len(c.replay_utilizations) + 1)
 
     def reference_set(self) -> list[Prompt]:
         n = self.cfg.reference_prompts
         return self.normal if n is None else self.normal[:n]
 
-    def assignments(self) -> list[Assignment]:
-        return assign(len(self.abnormal), self.models, self.cfg.prompts_per_fault, self.skip(),
-                      [p.cls for p in self.abnormal])
-
-    def skip(self) -> list[int]:
-        """Over-long prompts take no fault: their fp32 catch-up prefill would dominate the run."""
-        return [i for i, p in enumerate(self.abnormal) if p.cls == "over_long"]
+    def assignments(self, fault_set: str) -> list[tuple[Prompt, FaultModel]]:
+        """(prompt, model) pairs of one fault set: its models on the abnormal prompts of its half
+        (over-long prompts take no fault: their fp32 catch-up prefill would dominate the run)."""
+        pool = [p for p in self.abnormal if p.split == fault_set]
+        models = [m for m in self.models if m.fault_set == fault_set]
+        skip = [i for i, p in enumerate(pool) if p.cls == "over_long"]
+        return [(pool[a.prompt_index], a.model) for a in assign(len(pool), models, self.cfg.prompts_per_fault,
+                                                                  skip, [p.cls for p in pool])]
 
 
 def select(cfg: ValidateConfig) -> tuple[list[Prompt], list[Prompt]]:
@@ -188,30 +196,36 @@ def load_engines(run: Run, progress: Progress) -> None:
     probe = None
     for rung in ("int4", "fp32", "w4a16"):
         t = time.perf_counter()
+        before = rss_mb()
         engine = run.engines[rung] = load_engine(rung, run.engines["info"], settings)
         run.times[f"load_{rung}_s"] = time.perf_counter() - t
         probe = probe or user_prompt_ids(run.engines["info"].chat_template, "Say hello.", engine.tokenize)
         greedy(engine, probe, 2)  # touch the weights (mmap, lazy allocation) before reading RSS
-        run.memory[f"after_{rung}"] = rss_mb()
+        run.memory[f"{rung}_engine"] = rss_mb() - before
         progress.tick()
 
 
-def configs(run: Run, incidents: Any) -> tuple[Bare, Guarded]:
-    from qladder.validate.replay import serve
+def build_configs(run: Run, store: Any) -> None:
+    """bare, bare_aa and guarded, each on a serving engine of its own, loaded now; the RSS each adds."""
+    from qladder.validate.replay import serve_bare, serve_guarded
 
     e = run.engines
-    se, bare, guarded = serve(e["info"], e["fp32"], e["settings"], incidents)
-    run.served.append(se)
-    return bare, guarded
+    for name in ("bare", "bare_aa", "guarded"):
+        before = rss_mb()
+        cfg = serve_guarded(e["info"], e["fp32"], e["settings"], store) if name == "guarded" \
+            else serve_bare(e["info"], e["settings"], name)
+        run.served.append(cfg.se)
+        run.configs[name] = cfg
+        run.memory[f"{name}_serving_engine"] = rss_mb() - before
 
 
-def patched_configs(run: Run, model: FaultModel, guarded: Guarded) -> tuple[Bare, Guarded]:
-    """Bare and guarded on a serving engine loaded on a patched copy of the GGUF (built once)."""
+def patched_configs(run: Run, model: FaultModel) -> tuple[Bare, Guarded]:
+    """Bare and guarded on serving engines of their own loaded on a patched copy of the GGUF (built once)."""
     import tempfile
 
-    from qladder.faults import GGUF_PATCHES
     from qladder.model import inspect_model
-    from qladder.validate.replay import serve
+    from qladder.validate.gguf_patch import GGUF_PATCHES
+    from qladder.validate.replay import serve_bare, serve_guarded
 
     if model.name not in run.patched:
         e = run.engines
@@ -220,8 +234,9 @@ def patched_configs(run: Run, model: FaultModel, guarded: Guarded) -> tuple[Bare
         dst = tmp / f"{model.name}.gguf"
         run.patches[model.name] = GGUF_PATCHES[model.patch](e["info"].path, dst, **dict(model.gguf_patch or ()))
         info = inspect_model(dst, tmp)
-        se, b, g = serve(info, e["fp32"], e["settings"], guarded.se.incidents)
-        run.served.append(se)
+        b = serve_bare(info, e["settings"])
+        g = serve_guarded(info, e["fp32"], e["settings"], run.configs["guarded"].se.incidents)
+        run.served += [b.se, g.se]
         run.patched[model.name] = (b, g)
     return run.patched[model.name]
 
@@ -240,145 +255,126 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def timed(cfg: Bare | Guarded, p: Prompt, population: str, fault_name: str, faults: Sequence[Fault],
-          params: SamplingParams) -> Outcome:
-    """One request through one configuration, with the collector paused."""
+def one(run: Run, cfg: Bare | Guarded, p: Prompt, phase: str, params: SamplingParams, rnd: int = 0,
+        model: FaultModel | None = None) -> Outcome:
+    """One request through one configuration, with the collector paused; recorded."""
+    o = Outcome(RUN, cfg.name, p.id, p.cls, "normal" if phase in ("normal", "warmup") else "abnormal",
+                fault=model.name if model else None, round=rnd, phase=phase, split=p.split,
+                fault_set=model.fault_set if model else None)
     with paused_gc():
-        return cfg.run(p, population, fault_name, faults, params)
+        ids = cfg.run(p, o, model.faults if model else [], params)
+    run.outcomes.append(o)
+    run.ids.append(ids)
+    return o
 
 
-def replay(run: Run, bare: Bare, guarded: Guarded, progress: Progress) -> dict[str, Any]:
-    """Warm-up, normal rounds, fp32 reference, abnormal, faulted. Returns the agreement sections."""
+def _rotated(items: Sequence[Any], k: int) -> list[Any]:
+    k %= len(items)
+    return [*items[k:], *items[:k]]
+
+
+def replay(run: Run, progress: Progress) -> None:
+    """Warm-up; normal rounds (bare, bare_aa and guarded, the order rotated per prompt and round);
+    abnormal prompts; each fault set's (prompt, model) pairs, bare and guarded."""
     from qladder.sampling import SamplingParams
 
     c = run.cfg
     params = SamplingParams(max_tokens=c.max_tokens, seed=c.seed)
+    trio = [run.configs[n] for n in ("bare", "bare_aa", "guarded")]
     progress.phase("warm-up")
     for i in range(c.warmup):
-        for cfg in (bare, guarded):
-            timed(cfg, run.normal[i % len(run.normal)], "normal", "none", [], params)
+        for cfg in trio:
+            one(run, cfg, run.normal[i % len(run.normal)], "warmup", params)
             progress.tick()
     gc.collect()
     gc.freeze()  # engines, tokenizers and corpora: out of every later collection's way
-    progress.phase("normal (bare vs guarded)")
+    progress.phase("normal (bare, A/A, guarded)")
+    t = time.perf_counter()
     for r in range(c.rounds):
         for i, p in enumerate(run.normal):
-            order = (bare, guarded) if (r + i) % 2 == 0 else (guarded, bare)
-            for cfg in order:
-                o = timed(cfg, p, "normal", "none", [], params)
-                o.round = r
-                run.outcomes.append(o)
+            for cfg in _rotated(trio, r + i):
+                one(run, cfg, p, "normal", params, r)
                 progress.tick()
-    agreement_sections = reference(run, bare, guarded, progress)
+    run.times["normal_s"] = time.perf_counter() - t
+    pair = [run.configs["bare"], run.configs["guarded"]]
     progress.phase("abnormal (no fault)")
-    for p in run.abnormal:
-        for cfg in (bare, guarded):
-            run.outcomes.append(timed(cfg, p, "abnormal", "none", [], params))
+    for i, p in enumerate(run.abnormal):
+        for cfg in _rotated(pair, i):
+            one(run, cfg, p, "abnormal", params)
             progress.tick()
-    progress.phase("faulted")
-    for a in run.assignments():
-        p = run.abnormal[a.prompt_index]
-        pair = (bare, guarded) if a.model.gguf_patch is None else patched_configs(run, a.model, guarded)
-        for cfg in pair:
-            run.outcomes.append(timed(cfg, p, "abnormal", a.model.name, a.model.faults, params))
-            progress.tick()
-    return agreement_sections
+    progress.phase("faulted (train, test)")
+    t = time.perf_counter()
+    for fs in FAULT_SETS:
+        for i, (p, model) in enumerate(run.assignments(fs)):
+            configs = pair if model.gguf_patch is None else list(patched_configs(run, model))
+            for cfg in _rotated(configs, i):
+                one(run, cfg, p, "faulted", params, model=model)
+                progress.tick()
+    run.times["faulted_s"] = time.perf_counter() - t
 
 
-def judged(run: Run) -> list[Outcome]:
-    """The outcomes the likelihood judge scores: every answered abnormal request (clean and
-    faulted), the set the garbage rates cover."""
-    return [o for o in run.outcomes if o.population == "abnormal" and o.status == "ok" and o.token_ids]
+def counted(run: Run) -> list[tuple[Outcome, list[int]]]:
+    return [(o, ids) for o, ids in zip(run.outcomes, run.ids, strict=True) if o.phase != "warmup"]
 
 
-def judge_likelihood(run: Run, bare: Bare, guarded: Guarded, progress: Progress) -> None:
-    """Score each judged answer under fp32, given the ids its configuration fed the engine, and
-    judge it again with that score. Identical (prompt, answer) pairs are scored once."""
+def judge_all(run: Run, progress: Progress) -> None:
+    """Every answer judged: its symptoms, and its fp32 likelihood given the ids its configuration
+    fed the engine (identical pairs scored once). A scoring failure leaves the answer unjudged."""
     from qladder.validate.garbage import mean_nll
 
     progress.phase("judge (fp32 likelihood)")
     fp32 = run.engines["fp32"]
-    prompts = {p.id: p for p in run.abnormal}
     cache: dict[tuple[tuple[int, ...], tuple[int, ...]], float | None] = {}
     t = time.perf_counter()
-    by_config = {"bare": bare, "guarded": guarded}
-    for o in judged(run):
-        ids = by_config[o.config].prompt_ids(prompts[o.prompt_id], run.cfg.max_tokens)
+    for o, ids in zip(run.outcomes, run.ids, strict=True):
+        if not o.ok or not o.token_ids or o.fallback or o.phase == "warmup":
+            o.judge()
+            continue
         key = (tuple(ids), tuple(o.token_ids))
         if key not in cache:
             try:
                 cache[key] = mean_nll(fp32.score(ids, o.token_ids))
-            except Exception:  # an answer too long to score stays judged by its symptoms alone
+            except Exception:  # counted: the answer is unjudged unless a symptom decides
                 cache[key] = None
-        o.nll = cache[key]
-        o.judge()
-        progress.tick()
+        o.judge(cache[key], score_failed=cache[key] is None)
+    progress.tick()
     run.times["judge_s"] = time.perf_counter() - t
     run.times["judge_scored"] = float(len(cache))
 
 
-def attribute_garbage(run: Run, guarded: Guarded) -> None:
-    """Whose is each garbage answer of the guarded ladder? The fp32 rung alone answers the same ids
-    greedily; if that answer is judged garbage too (the same symptoms), it is the model's own (a
-    135M model's loop on a ZWJ emoji run), which no precision climb can fix: counted apart."""
-    from qladder.validate.garbage import judge
+def references(run: Run, progress: Progress) -> None:
+    """fp32 alone, greedy, on each configuration's prompt ids: is an answer fp32's own? For every
+    abnormal answer, every garbage answer and the normal reference prompts. Then, for each guarded
+    faulted answer, fp32's greedy continuation of its int4 prefix (the quality row)."""
+    from qladder.validate.garbage import same_answer
+    from qladder.validate.replay import continuation_identical
 
-    fp32 = run.engines["fp32"]
-    prompts = {p.id: p for p in [*run.normal, *run.abnormal]}
-    cache: dict[tuple[int, ...], tuple[str, ...]] = {}
-    for o in run.outcomes:
-        if o.config != "guarded" or not o.is_garbage:
+    progress.phase("fp32 references")
+    fp32, c = run.engines["fp32"], run.cfg
+    refs = {p.id for p in run.reference_set()}
+    cache: dict[tuple[int, ...], list[int]] = {}
+
+    def ref(ids: Sequence[int], n: int) -> list[int]:
+        key = (*ids, -n)
+        if key not in cache:
+            cache[key] = greedy(fp32, ids, n) if n > 0 else []
+        return cache[key]
+
+    t = time.perf_counter()
+    for o, ids in counted(run):
+        if not o.ok or o.fallback or not ids:
             continue
-        ids = tuple(guarded.prompt_ids(prompts[o.prompt_id], run.cfg.max_tokens))
-        if ids not in cache:
-            ref = greedy(fp32, list(ids), run.cfg.max_tokens)
-            cache[ids] = judge(fp32.detokenize(ref), ref, len(ref) >= run.cfg.max_tokens).reasons
-        o.model_own = bool(set(o.garbage) & set(cache[ids]))
-
-
-def judge_summary(run: Run) -> dict[str, Any]:
-    """The likelihood judge's threshold against the scores it saw: clean answers' largest score is
-    its false-positive margin."""
-    from qladder.validate.garbage import IMPLAUSIBLE_NLL
-
-    scored = [o for o in run.outcomes if o.nll is not None]
-    clean = [o.nll for o in scored if o.fault == "none" and o.nll is not None]
-    by_fault: dict[str, dict[str, list[float]]] = {}
-    for o in scored:
-        if o.fault != "none" and o.nll is not None:
-            by_fault.setdefault(o.fault, {}).setdefault(o.config, []).append(round(o.nll, 3))
-    return {"threshold_nll": IMPLAUSIBLE_NLL, "scored": len(scored), "clean_scored": len(clean),
-            "clean_max_nll": max(clean, default=None), "clean_p50_nll": percentile(clean, 50),
-            "clean_flagged": sum(x > IMPLAUSIBLE_NLL for x in clean), "faulted_nll": by_fault,
-            "note": "mean negative log-likelihood (nats/token) of each abnormal answer under the fp32 "
-                    "rung, given the ids its configuration fed the engine"}
-
-
-def reference(run: Run, bare: Bare, guarded: Guarded, progress: Progress) -> dict[str, Any]:
-    """fp32 greedy answers on the ids each configuration fed its engine; agreement of round 0."""
-    progress.phase("fp32 reference")
-    fp32 = run.engines["fp32"]
-    first = {(o.config, o.prompt_id): o for o in run.outcomes if o.round == 0}
-    scores: dict[str, list[tuple[float, float]]] = {"bare": [], "guarded": []}
-    decode_ms: list[float] = []
-    for p in run.reference_set():
-        ids = {cfg.name: cfg.prompt_ids(p, run.cfg.max_tokens) for cfg in (bare, guarded)}
-        refs: dict[tuple[int, ...], list[int]] = {}
-        for name in ("bare", "guarded"):
-            key = tuple(ids[name])
-            if key not in refs:
-                timings: dict[str, float] = {}
-                refs[key] = greedy(fp32, ids[name], run.cfg.max_tokens, timings=timings)
-                if refs[key]:
-                    decode_ms.append(timings["decode_ms"] / len(refs[key]))
-            o = first.get((name, p.id))
-            if o is not None and o.status == "ok":
-                scores[name].append(agreement(o.token_ids, refs[key]))
-        progress.tick()
-    run.times["fp32_decode_ms_per_token"] = mean(decode_ms) or 0.0
-    return {name: {"prefix": mean(s[0] for s in v), "position": mean(s[1] for s in v),
-                   "exact": mean(float(s[0] == 1.0 and s[1] == 1.0) for s in v), "prompts": len(v)}
-            for name, v in scores.items()}
+        if o.population == "abnormal" or o.garbage or o.prompt_id in refs:
+            o.fp32_identical = same_answer(o.token_ids, ref(ids, c.max_tokens))
+        if o.config == "guarded" and o.fault is not None:
+            k = 0
+            while k < len(o.rungs) and o.rungs[k] == "int4":
+                k += 1
+            o.fp32_continuation_identical = continuation_identical(
+                o.token_ids, k, ref([*ids, *o.token_ids[:k]], c.max_tokens - k), o.finish_reason)
+    progress.tick()
+    run.times["references_s"] = time.perf_counter() - t
+    run.times["references_computed"] = float(len(cache))
 
 
 def boundaries(run: Run, progress: Progress) -> dict[str, Any]:
@@ -403,26 +399,24 @@ def boundaries(run: Run, progress: Progress) -> dict[str, Any]:
     return {"precision": precision, "latency": latency}
 
 
-def standby_jobs(run: Run, guarded: Guarded) -> list[Any]:
+def standby_jobs(run: Run) -> list[Any]:
     """The standby's share of every measured handoff: the context at the handoff, and the fp32
     tokens served after it (capped by `replay_max_tokens`)."""
     from qladder.validate.standby_replay import Job
 
-    prompts = {p.id: p for p in (*run.normal, *run.abnormal)}
     jobs = []
-    for o in run.outcomes:
-        if o.config != "guarded" or not o.handoff_ms or "fp32" not in o.token_rungs:
+    for o, ids in counted(run):
+        if o.config != "guarded" or not o.handoff_ms or "fp32" not in o.rungs:
             continue
-        first = o.token_rungs.index("fp32")
-        ids = guarded.prompt_ids(prompts[o.prompt_id], run.cfg.max_tokens) + o.token_ids[:first]
+        first = o.rungs.index("fp32")
         n = len(o.token_ids) - first
         if run.cfg.replay_max_tokens is not None:
             n = min(n, run.cfg.replay_max_tokens)
-        jobs.append(Job(tuple(ids), n))
+        jobs.append(Job(tuple(ids + o.token_ids[:first]), n))
     return jobs
 
 
-def standby_confirmation(run: Run, guarded: Guarded, progress: Progress) -> dict[str, Any]:
+def standby_confirmation(run: Run, progress: Progress) -> dict[str, Any]:
     from qladder.engines import instrument
     from qladder.validate.standby_replay import confirm
 
@@ -430,18 +424,31 @@ def standby_confirmation(run: Run, guarded: Guarded, progress: Progress) -> dict
     fp32 = run.engines["fp32"]
     instrument(fp32, activations=False, row_stats=False)
     t = time.perf_counter()
-    out = confirm(fp32, standby_jobs(run, guarded), c.replay_utilizations, c.replay_servers, c.replay_jobs,
+    out = confirm(fp32, standby_jobs(run), c.replay_utilizations, c.replay_servers, c.replay_jobs,
                   c.seed, progress.tick)
     run.times["standby_replay_s"] = time.perf_counter() - t
     return out
 
 
-def availability(run: Run, guarded: Sequence[Outcome]) -> dict[str, Any]:
+def fp32_decode_ms(run: Run) -> float:
+    """fp32's decode time per token, measured on two normal prompts (for the availability model)."""
+    e = run.engines
+    samples = []
+    for p in run.normal[:2]:
+        timings: dict[str, float] = {}
+        ids = user_prompt_ids(e["info"].chat_template, str(p.prompt), e["fp32"].tokenize)
+        toks = greedy(e["fp32"], ids, 16, timings=timings)
+        if toks:
+            samples.append(timings["decode_ms"] / len(toks))
+    return mean(samples) or 0.0
+
+
+def availability(run: Run) -> dict[str, Any]:
     c = run.cfg
-    normal = [o.wall_ms / 1e3 for o in guarded if o.population == "normal" and o.fault == "none"
-              and o.status == "ok"]
-    per_tok = run.times.get("fp32_decode_ms_per_token", 0.0)
-    standby = [(sum(o.handoff_ms) + per_tok * sum(r == "fp32" for r in o.token_rungs)) / 1e3
+    guarded = [o for o, _ in counted(run) if o.config == "guarded"]
+    normal = [o.latency_ms / 1e3 for o in guarded if o.phase == "normal" and o.ok]
+    per_tok = fp32_decode_ms(run)
+    standby = [(sum(o.handoff_ms) + per_tok * sum(r == "fp32" for r in o.rungs)) / 1e3
                for o in guarded if o.handoff_ms]
     if not normal or not standby:
         return {"error": "no handoffs or no clean requests were measured"}
@@ -459,7 +466,7 @@ def availability(run: Run, guarded: Sequence[Outcome]) -> dict[str, Any]:
                                                               seed=c.seed) * 1e3})
     return {"model": model.to_dict(), "curve": curve, "wait_budget_ms": budget * 1e3,
             "share_at_wait_budget": model.share_at_wait(budget) if budget > 0 else None,
-            "simulation": checks, "standby_samples_ms": [s * 1e3 for s in standby],
+            "simulation": checks, "standby_samples_ms": [s * 1e3 for s in standby], "fp32_decode_ms": per_tok,
             "concurrent_replay": run.standby,
             "note": "standby service = handoff latency + fp32 tokens x measured fp32 ms/token; M/G/c "
                     "simulation draws from these samples; concurrent_replay runs real handoffs on "
@@ -468,7 +475,8 @@ def availability(run: Run, guarded: Sequence[Outcome]) -> dict[str, Any]:
 
 def validate(cfg: ValidateConfig, out_dir: Path, show_progress: bool = True,
              log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Run everything and write results.json, report.md, report.html and the PNGs into out_dir."""
+    """Run everything; write outcomes.jsonl, results.json (every figure, from those outcomes),
+    boundaries.json (the sweeps and the availability model), report.md, report.html, the PNGs."""
     from qladder.incidents import IncidentStore
     from qladder.validate.report import write_report
 
@@ -484,16 +492,20 @@ def validate(cfg: ValidateConfig, out_dir: Path, show_progress: bool = True,
         int4 = run.engines["int4"]
         env["int4_activation_monitor"] = {"built": getattr(int4, "monitor", None) is not None,
                                           "error": getattr(int4, "monitor_error", None)}
-        bare, guarded = configs(run, store)
-        agree = replay(run, bare, guarded, progress)
-        judge_likelihood(run, bare, guarded, progress)
-        attribute_garbage(run, guarded)
+        build_configs(run, store)
+        replay(run, progress)
+        for se in run.served:  # the standby's fp32 engine is the references' now
+            se.close()
+        run.served.clear()
+        judge_all(run, progress)
+        references(run, progress)
         bounds = boundaries(run, progress)
         progress.phase("standby replay (concurrent)")
-        run.standby = standby_confirmation(run, guarded, progress)
+        run.standby = standby_confirmation(run, progress)
         progress.phase("availability model")
-        results = assemble(run, env, agree, bounds, store.count())
+        bounds["availability"] = availability(run)
         progress.tick()
+        incidents = store.count()
     finally:
         gc.unfreeze()  # frozen by replay(): hand those objects back to the collector
         progress.close()
@@ -505,35 +517,36 @@ def validate(cfg: ValidateConfig, out_dir: Path, show_progress: bool = True,
             se.close()
         for folder in run.cleanup:
             shutil.rmtree(folder, ignore_errors=True)
+    results = write_outputs(out_dir, run.outcomes, "in-process", header(run, env, incidents))
     results["elapsed_s"] = time.perf_counter() - t_start
     results["phase_durations_s"] = progress.durations
-    write_outputs(out_dir, results, run.outcomes)
-    write_report(results, out_dir)
-    log(f"wrote {out_dir / 'results.json'}, report.md, report.html")
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False, default=str))
+    (out_dir / "boundaries.json").write_text(json.dumps(bounds, indent=2, ensure_ascii=False, default=str))
+    write_report(results, bounds, out_dir)
+    log(f"wrote {out_dir / 'outcomes.jsonl'}, results.json, boundaries.json, report.md, report.html")
     return results
 
 
-def write_outputs(out_dir: Path, results: dict[str, Any], outcomes: Sequence[Outcome]) -> None:
-    """results.json, and outcomes.jsonl (every request, one a line), of either validation run."""
+def write_outputs(out_dir: Path, outcomes: Sequence[Outcome], mode: str, head: dict[str, Any]) -> dict[str, Any]:
+    """outcomes.jsonl (every request, one a line), then results.json: `head` (what the run was)
+    plus the figures, computed from the file as written (`qladder.validate.recompute`)."""
+    from qladder.validate.outcome import read_jsonl, write_jsonl
+    from qladder.validate.recompute import figures
+
+    write_jsonl(out_dir / "outcomes.jsonl", outcomes)
+    results = {**head, "figures": figures(read_jsonl(out_dir / "outcomes.jsonl"), mode)}
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False, default=str))
-    (out_dir / "outcomes.jsonl").write_text("".join(json.dumps(o.to_dict(), ensure_ascii=False) + "\n"
-                                                    for o in outcomes))
+    return results
 
 
-def assemble(run: Run, env: dict[str, Any], agree: dict[str, Any], bounds: dict[str, Any],
-             incidents: int) -> dict[str, Any]:
-    bare = [o for o in run.outcomes if o.config == "bare"]
-    guarded = [o for o in run.outcomes if o.config == "guarded"]
-    m = run.memory
-    mem_bare, mem_guarded = m["after_int4"], m["after_fp32"]  # loaded in that order, w4a16 last
+def header(run: Run, env: dict[str, Any], incidents: int) -> dict[str, Any]:
     env["load_average_end"] = load_average()
     env["peak_rss_mb_process"] = peak_rss_mb()
-    env["memory_rss_mb"] = m
+    env["memory_mb"] = run.memory
     env["load_times_s"] = {k: v for k, v in run.times.items() if k.startswith("load_")}
-    failure_paths = sorted({o.error_kind.split(":")[0] for o in run.outcomes if o.error_kind}
-                           | {f"hazard:{h}" for o in guarded for h in o.hazards}
-                           | {f"finish:{o.finish_reason}" for o in run.outcomes if o.finish_reason})
+    m = run.memory
     return {
+        "kind": "in-process",
         "config": run.cfg.to_dict(),
         "environment": env,
         "method": {"warmup_requests_per_config": run.cfg.warmup, "rounds_normal": run.cfg.rounds,
@@ -541,22 +554,19 @@ def assemble(run: Run, env: dict[str, Any], agree: dict[str, Any], bounds: dict[
                              "simulation": run.cfg.seed},
                    "sampling": "greedy", "gc": "paused during each timed request (as timeit does), run between "
                                                "them; objects alive after the warm-up frozen (gc.freeze)",
-                   "prompts": {"normal": len(run.normal), "abnormal": len(run.abnormal)},
-                   "memory_note": "RSS of this process after loading and touching each engine (two greedy "
-                                  "tokens): bare = after int4; guarded = after int4 and fp32 (w4a16, for "
-                                  "the sweep only, is loaded last)"},
+                   "order": "normal rounds: bare, bare_aa and guarded, the order rotated per prompt and round; "
+                            "abnormal and faulted: bare and guarded, the order alternating",
+                   "engines": "each configuration on a serving engine of its own, built for the run",
+                   "prompts": {"normal": len(run.normal), "abnormal": len(run.abnormal),
+                               "abnormal_by_split": {fs: sum(p.split == fs for p in run.abnormal)
+                                                     for fs in FAULT_SETS}},
+                   "memory_note": "RSS added by loading each engine and touching it, measured by the harness (not "
+                                  "per request): bare = the int4 engine (the GGUF's weights and a context); "
+                                  "guarded = the int4 engine + the fp32 engine it hands off to. The serving "
+                                  "engines loaded after them share the weights' pages (environment.memory_mb)"},
+        "memory_mb": {"bare": m.get("int4_engine"),
+                      "guarded": (m.get("int4_engine") or 0.0) + (m.get("fp32_engine") or 0.0)},
         "fault_models": [{**fm.to_dict(), "applied_patch": run.patches.get(fm.name)} for fm in run.models],
-        "bare": section(bare, agree.get("bare"), mem_bare),
-        "guarded": section(guarded, agree.get("guarded"), mem_guarded),
-        "latency_ratio_guarded_over_bare": paired_ratio(bare, guarded),
-        "precision_boundary": bounds["precision"],
-        "latency_boundary": bounds["latency"],
-        "availability_boundary": availability(run, guarded),
-        "latency_samples_normal_ms": {cfg: [o.wall_ms for o in outs if o.population == "normal"
-                                            and o.fault == "none" and o.status == "ok"]
-                                      for cfg, outs in (("bare", bare), ("guarded", guarded))},
-        "garbage_judge": judge_summary(run),
         "incidents_recorded": incidents,
-        "failure_paths_seen": failure_paths,
         "phase_times_s": run.times,
     }

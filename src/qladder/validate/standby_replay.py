@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from qladder.engines.base import Engine
+from qladder.percentiles import mean, percentile
 from qladder.validate import queueing
-from qladder.validate.stats import mean, percentile
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,161 @@
+"""One request's raw outcome: the line every run writes to `outcomes.jsonl`.
+
+`qladder validate`, `qladder validate --remote`, `qladder bench serving` and `qladder bench serve`
+write one `Outcome` per request they sent, warm-up included (phase "warmup"), with everything a
+reader needs to recompute each figure of the run's report (`qladder.validate.recompute`):
+
+    run, config, round, phase       which run, which configuration (bare, bare_aa: the A/A copy of
+                                    bare, guarded, raw, llama-server, ...), which round, which phase
+    prompt_id, prompt_class, split  the corpus prompt, its class, its half (train | test)
+    population                      normal | abnormal
+    prompt                          the text the engine was given, after sanitizing (bare: the
+                                    text as sent); a raw-bytes prompt is rendered with backslashes
+    fault, fault_set                the fault model (None for none) and its set (train | test)
+    status                          "ok", "error" (a 5xx: an engine error, a crash), "timeout",
+                                    "rejected" (a 4xx) or an HTTP status code
+    latency_ms, ttft_ms             end to end, and to the first text the client received
+    token_ids, token_ids_source     the answer's ids as the engine or server gave them ("engine",
+                                    "server"); "retokenized" where a server returned none
+    text, finish_reason, fallback   the answer (whole), how it ended, whether it is the fallback
+    rungs, hazards, handoff_ms      the rung of each token, the checks that fired, each handoff
+    fp32_identical                  fp32 alone, greedy, on the same prompt ids gives the same ids
+                                    (or the same loop, garbage.same_answer); None: not computed
+    fp32_continuation_identical     the answer after its rung-0 prefix equals fp32's greedy
+                                    continuation of that prefix (faulted greedy requests)
+    verdict                         the judge's (garbage.Verdict.to_dict)
+    concurrency, window, start_s,   load benchmarks: the closed-loop window of the request (its
+    end_s, step_ms                  tok/s = the window's tokens over its span) and token intervals
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qladder.types import FALLBACK_TEXT
+from qladder.validate.garbage import Verdict, judge
+
+OK_STATUSES = ("ok", 200)
+
+
+@dataclass
+class Outcome:
+    run: str
+    config: str
+    prompt_id: str
+    prompt_class: str
+    population: str  # normal | abnormal
+    fault: str | None = None
+    status: str | int = "ok"
+    round: int = 0
+    phase: str = "normal"  # warmup | normal | abnormal | faulted
+    split: str | None = None  # train | test
+    fault_set: str | None = None  # train | test (None: no fault)
+    prompt: str = ""
+    prompt_tokens: int = 0
+    error: str | None = None
+    latency_ms: float = 0.0
+    ttft_ms: float | None = None
+    prefill_ms: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+    token_ids_source: str = "engine"  # engine | server | retokenized
+    text: str = ""
+    finish_reason: str | None = None
+    fallback: bool = False
+    greedy: bool = True
+    rungs: list[str] = field(default_factory=list)
+    hazards: list[str] = field(default_factory=list)
+    handoff_ms: list[float] = field(default_factory=list)
+    fp32_identical: bool | None = None
+    fp32_continuation_identical: bool | None = None
+    verdict: dict[str, Any] = field(default_factory=dict)
+    # load benchmarks: the closed-loop window a request ran in, and when (seconds from the run's start)
+    concurrency: int | None = None
+    window: str | None = None
+    start_s: float | None = None
+    end_s: float | None = None
+    step_ms: list[float] = field(default_factory=list)  # intervals between the answer's tokens
+
+    # -- what the figures need ------------------------------------------------------------------
+    @property
+    def ok(self) -> bool:
+        return self.status in OK_STATUSES
+
+    @property
+    def five_xx(self) -> bool:
+        """A server error, a dropped connection or a timeout (the client got no answer)."""
+        s = self.status
+        return s in ("error", "timeout") or (isinstance(s, int) and (s >= 500 or s < 0))
+
+    @property
+    def four_xx(self) -> bool:
+        s = self.status
+        return s == "rejected" or (isinstance(s, int) and 400 <= s < 500)
+
+    @property
+    def garbage(self) -> bool:
+        return self.ok and not self.fallback and bool(self.verdict.get("garbage"))
+
+    @property
+    def unjudged(self) -> bool:
+        return self.ok and not self.fallback and not self.garbage and bool(self.verdict.get("unjudged"))
+
+    @property
+    def answered_clean(self) -> bool:
+        """An answer, neither garbage nor the fallback nor unjudged."""
+        return self.ok and not self.fallback and bool(self.verdict) and not self.verdict.get("garbage") \
+            and not self.verdict.get("unjudged")
+
+    @property
+    def handed_off(self) -> bool:
+        return bool(self.handoff_ms)
+
+    @property
+    def reasons(self) -> list[str]:
+        return list(self.verdict.get("reasons") or []) if self.garbage else []
+
+    @property
+    def first_rung_tokens(self) -> int:
+        """How many leading tokens came from the rung the answer started on (its accepted prefix
+        before the first handoff)."""
+        if not self.rungs:
+            return 0
+        k = 0
+        while k < len(self.rungs) and self.rungs[k] == self.rungs[0]:
+            k += 1
+        return k
+
+    # -- judging ---------------------------------------------------------------------------------
+    def judge(self, nll: float | None = None, score_failed: bool = False) -> None:
+        """The judge's verdict on this answer (an empty verdict for a request with no answer)."""
+        if not self.ok:
+            self.verdict = {}
+            return
+        if self.fallback and self.text in (FALLBACK_TEXT, ""):
+            self.verdict = Verdict().to_dict()  # its own column: not judged as text
+            return
+        self.verdict = judge(self.text, self.token_ids, self.prompt, nll, score_failed).to_dict()
+
+    # -- the file ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Outcome:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def write_jsonl(path: Path, outcomes: Iterable[Outcome]) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        for o in outcomes:
+            fh.write(json.dumps(o.to_dict(), ensure_ascii=False) + "\n")
+
+
+def read_jsonl(path: Path) -> list[Outcome]:
+    with open(path, encoding="utf-8") as fh:
+        return [Outcome.from_dict(json.loads(line)) for line in fh if line.strip()]

@@ -1,0 +1,459 @@
+"""Every figure of a validation report, from its `outcomes.jsonl` alone: the one module that computes them.
+
+    python -m qladder.validate.recompute DIR            recompute DIR/results.json's "figures" from
+                                                        DIR/outcomes.jsonl; exit 1 on any difference
+    python -m qladder.validate.recompute DIR --check    ... and exit 1 when a target is missed
+
+`qladder validate` and `qladder validate --remote` write their outcomes first, read them back and
+call `figures()` on what they read, so the file a reader gets is exactly what the report shows.
+
+The targets are fixed here, per mode, before any run (`TARGETS`); a run cannot choose them. Each
+is a verdict: pass, fail, "no data" (nothing to judge: not a pass) or "insufficient" (the pooled
+P99 with fewer than `min_pooled_requests` requests per side: not a pass either). Rules that hold
+for every figure:
+
+- warm-up requests are written but never counted;
+- a request without an answer (5xx, timeout, 4xx) counts, in every latency figure, as the run's
+  slowest latency: never dropped;
+- `answered clean` = an answer that is neither garbage nor the fallback nor unjudged, for bare and
+  guarded alike: a guard that gives up on a request loses it here;
+- garbage is shown raw and net of the answers fp32 alone gives too (`fp32_identical`), for bare
+  and guarded alike;
+- the latency verdict is, for each normal prompt, the ratio of its median latency over the rounds
+  (guarded / bare), read at P90 and P99 over prompts, **and** the pooled P99 over every normal
+  request, beside the same figures of an A/A pair (bare_aa / bare: two identical processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from qladder.percentiles import percentile, ratio
+from qladder.validate.garbage import IMPLAUSIBLE_NLL
+from qladder.validate.outcome import Outcome, read_jsonl
+
+SPLITS = ("train", "test")
+CANDIDATE, BASE, AA = "guarded", "bare", "bare_aa"
+
+
+@dataclass(frozen=True)
+class Targets:
+    latency_ratio: float  # per-prompt P90 / P99 and pooled P99, guarded over bare
+    min_pooled_requests: int = 500  # per side, for the pooled P99 verdict
+    quality_share: float = 0.99  # greedy faulted answers equal to fp32's continuation
+    max_unjudged_share: float = 0.01
+    max_false_handoff_rate: float = 0.005  # normal prompts, no fault
+
+
+TARGETS = {"in-process": Targets(latency_ratio=1.01), "remote": Targets(latency_ratio=1.05)}
+
+
+def _rate(k: int, n: int) -> float | None:
+    return k / n if n else None
+
+
+def row(outs: Sequence[Outcome]) -> dict[str, Any]:
+    """The table's counts and rates over some requests."""
+    n = len(outs)
+    garbage = [o for o in outs if o.garbage]
+    own = sum(1 for o in garbage if o.fp32_identical)
+    counts = {"requests": n, "answered_clean": sum(o.answered_clean for o in outs), "garbage": len(garbage),
+              "garbage_fp32_identical": own, "garbage_net": len(garbage) - own,
+              "fallback": sum(o.ok and o.fallback for o in outs), "five_xx": sum(o.five_xx for o in outs),
+              "four_xx": sum(o.four_xx for o in outs), "unjudged": sum(o.unjudged for o in outs)}
+    out: dict[str, Any] = dict(counts)
+    out |= {f"{k}_rate": _rate(v, n) for k, v in counts.items() if k != "requests"}
+    out["reasons"] = dict(sorted(Counter(r for o in garbage for r in o.reasons).items()))
+    out["errors"] = dict(sorted(Counter((o.error or str(o.status)).split(":")[0] for o in outs if not o.ok).items()))
+    out["max_latency_ms"] = max((o.latency_ms for o in outs), default=None)
+    return out
+
+
+def _by(outs: Iterable[Outcome], key: Callable[[Outcome], str]) -> dict[str, list[Outcome]]:
+    groups: dict[str, list[Outcome]] = {}
+    for o in outs:
+        groups.setdefault(key(o), []).append(o)
+    return dict(sorted(groups.items()))
+
+
+def quality(outs: Sequence[Outcome]) -> dict[str, Any]:
+    """Greedy faulted requests of the guarded configuration: the share whose answer, after its
+    rung-0 prefix, is token-identical to fp32's greedy continuation of that prefix. A request with
+    no answer, a fallback, or no reference computed counts as not identical."""
+    pop = [o for o in outs if o.config == CANDIDATE and o.fault is not None and o.greedy]
+    same = sum(1 for o in pop if o.ok and not o.fallback and o.fp32_continuation_identical is True)
+    return {"requests": len(pop), "identical": same, "share": _rate(same, len(pop)),
+            "not_computed": sum(1 for o in pop if o.ok and o.fp32_continuation_identical is None)}
+
+
+def _effective(outs: Sequence[Outcome], slowest: float) -> list[float]:
+    return [o.latency_ms if o.ok else slowest for o in outs]
+
+
+def _medians(outs: Sequence[Outcome], slowest: float) -> dict[str, float]:
+    by = _by(outs, lambda o: o.prompt_id)
+    meds = {k: percentile(_effective(v, slowest), 50) for k, v in by.items()}
+    return {k: v for k, v in meds.items() if v is not None}
+
+
+def latency_side(outs: Sequence[Outcome], slowest: float) -> dict[str, Any]:
+    eff = _effective(outs, slowest)
+    ttft = [o.ttft_ms for o in outs if o.ok and o.ttft_ms is not None]
+    return {"requests": len(outs), "failed": sum(not o.ok for o in outs), "p50_ms": percentile(eff, 50),
+            "p90_ms": percentile(eff, 90), "p99_ms": percentile(eff, 99),
+            "mean_ms": sum(eff) / len(eff) if eff else None,
+            "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+            "rounds": {str(r): {"requests": len(v), "p50_ms": percentile(_effective(v, slowest), 50),
+                                "p99_ms": percentile(_effective(v, slowest), 99)}
+                       for r, v in _by(outs, lambda o: str(o.round)).items()}}
+
+
+def latency_ratio(cand: Sequence[Outcome], base: Sequence[Outcome], slowest: float) -> dict[str, Any]:
+    """cand over base on the same prompts: per-prompt ratios of the medians over rounds, pooled
+    percentiles, per round, and the median of the ratios paired by (prompt, round)."""
+    mc, mb = _medians(cand, slowest), _medians(base, slowest)
+    common = sorted(set(mc) & set(mb))
+    per_prompt = [mc[k] / mb[k] for k in common if mb[k]]
+    ec, eb = _effective(cand, slowest), _effective(base, slowest)
+    key = {(o.prompt_id, o.round): (o.latency_ms if o.ok else slowest) for o in base}
+    pairs = [(o.latency_ms if o.ok else slowest) / key[(o.prompt_id, o.round)] for o in cand
+             if key.get((o.prompt_id, o.round))]
+    rounds = {}
+    for r, outs in _by(cand, lambda o: str(o.round)).items():
+        b = [o for o in base if str(o.round) == r]
+        rounds[r] = {"p50": ratio(percentile(_effective(outs, slowest), 50), percentile(_effective(b, slowest), 50)),
+                     "p99": ratio(percentile(_effective(outs, slowest), 99), percentile(_effective(b, slowest), 99))}
+    return {"prompts": len(per_prompt), "per_prompt_p50": percentile(per_prompt, 50),
+            "per_prompt_p90": percentile(per_prompt, 90), "per_prompt_p99": percentile(per_prompt, 99),
+            "per_prompt_max": max(per_prompt, default=None),
+            "prompts_over_1_05": sum(1 for x in per_prompt if x > 1.05),
+            "pooled_p50": ratio(percentile(ec, 50), percentile(eb, 50)),
+            "pooled_p99": ratio(percentile(ec, 99), percentile(eb, 99)),
+            "requests_per_side": min(len(ec), len(eb)), "paired_median": percentile(pairs, 50),
+            "pairs": len(pairs), "rounds": rounds}
+
+
+def judge_summary(outs: Sequence[Outcome]) -> dict[str, Any]:
+    answered = [o for o in outs if o.ok and not o.fallback]
+    scored = [o for o in answered if o.verdict.get("scored")]
+    clean = [float(o.verdict["nll"]) for o in scored if o.fault is None and o.verdict.get("nll") is not None]
+    return {"answers": len(answered), "scored": len(scored), "unjudged": sum(o.unjudged for o in outs),
+            "unjudged_share": _rate(sum(o.unjudged for o in outs), len(answered)),
+            "threshold_nll": IMPLAUSIBLE_NLL, "clean_scored": len(clean), "clean_max_nll": max(clean, default=None),
+            "clean_p50_nll": percentile(clean, 50), "clean_over_threshold": sum(x > IMPLAUSIBLE_NLL for x in clean),
+            "token_ids_retokenized": sum(o.token_ids_source == "retokenized" for o in answered)}
+
+
+def handoffs(outs: Sequence[Outcome]) -> dict[str, Any]:
+    lat = [x for o in outs for x in o.handoff_ms]
+    return {"count": len(lat), "mean_ms": sum(lat) / len(lat) if lat else None, "p50_ms": percentile(lat, 50),
+            "p99_ms": percentile(lat, 99), "max_ms": max(lat, default=None)}
+
+
+def rung_share(outs: Sequence[Outcome]) -> dict[str, float]:
+    c = Counter(r for o in outs for r in o.rungs)
+    total = sum(c.values())
+    return {k: v / total for k, v in sorted(c.items())} if total else {}
+
+
+def false_handoffs(outs: Sequence[Outcome]) -> dict[str, Any]:
+    n, k = len(outs), sum(o.handed_off for o in outs)
+    return {"requests": n, "handed_off": k, "rate": _rate(k, n),
+            "hazards": dict(sorted(Counter(h for o in outs for h in o.hazards).items()))}
+
+
+def _identical(outs: Sequence[Outcome]) -> dict[str, Any]:
+    """Answers whose ids fp32 alone gives too (where that was computed): INT4's drift, read coarsely."""
+    done = [o for o in outs if o.fp32_identical is not None]
+    k = sum(1 for o in done if o.fp32_identical)
+    return {"computed": len(done), "identical": k, "share": _rate(k, len(done))}
+
+
+def _verdict(name: str, value: float | None, limit: float, ok: Callable[[float], bool], note: str = "",
+             status: str | None = None) -> dict[str, Any]:
+    if status is None:
+        status = "no data" if value is None else ("pass" if ok(value) else "fail")
+    return {"name": name, "value": value, "limit": limit, "status": status, "note": note}
+
+
+def verdicts(f: dict[str, Any], t: Targets) -> list[dict[str, Any]]:
+    out = []
+    for split in SPLITS:
+        g, b = f["crafted"][split].get(CANDIDATE, {}), f["crafted"][split].get(BASE, {})
+        n = g.get("requests", 0)
+        out.append(_verdict(f"{split}: guarded garbage beyond fp32-identical answers", g.get("garbage_net") if n
+                            else None, 0, lambda v: v == 0, "crafted prompts (abnormal, faulted or not)"))
+        out.append(_verdict(f"{split}: guarded fallback answers", g.get("fallback") if n else None, 0,
+                            lambda v: v == 0, "a standby was up"))
+        out.append(_verdict(f"{split}: guarded 5xx", g.get("five_xx") if n else None, 0, lambda v: v == 0))
+        gc, bc = g.get("answered_clean_rate"), b.get("answered_clean_rate")
+        out.append(_verdict(f"{split}: answered clean, guarded minus bare", None if gc is None or bc is None
+                            else gc - bc, 0.0, lambda v: v >= 0, "guarded must answer clean at least as often"))
+        q = f["quality"][split]
+        out.append(_verdict(f"{split}: greedy faulted answers token-identical to fp32's continuation",
+                            q["share"], t.quality_share, lambda v: v >= t.quality_share))
+    j = f["judge"]
+    out.append(_verdict("unjudged answers (likelihood asked for, not computed)", j["unjudged_share"],
+                        t.max_unjudged_share, lambda v: v <= t.max_unjudged_share))
+    fh = f["false_handoffs"].get(CANDIDATE, {})
+    out.append(_verdict("false handoffs, normal test-half prompts", fh.get("rate"), t.max_false_handoff_rate,
+                        lambda v: v <= t.max_false_handoff_rate))
+    lat = f["latency"]["ratios"].get("guarded_over_bare")
+    aa = f["latency"]["ratios"].get("aa_over_bare") or {}
+    lim = t.latency_ratio
+    for q in ("p90", "p99"):
+        v = lat[f"per_prompt_{q}"] if lat else None
+        out.append(_verdict(f"latency: {q.upper()} over prompts of the per-prompt median ratio, guarded / bare", v,
+                            lim, lambda x: x <= lim, f"A/A: {aa.get(f'per_prompt_{q}')}"))
+    n = lat["requests_per_side"] if lat else 0
+    v = lat["pooled_p99"] if lat else None
+    out.append(_verdict("latency: pooled P99, guarded / bare", v, lim, lambda x: x <= lim,
+                        f"{n} requests per side (needs {t.min_pooled_requests}); A/A: {aa.get('pooled_p99')}",
+                        status="insufficient" if v is not None and n < t.min_pooled_requests else None))
+    return out
+
+
+def figures(outcomes: Sequence[Outcome], mode: str, observations: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every figure of a run's report (`mode`: in-process | remote | bench-serving | bench-serve;
+    `observations`: what bench serve sampled besides its requests, the breaker's modes and counts)."""
+    if mode == "bench-serving":
+        return serving_figures(outcomes)
+    if mode == "bench-serve":
+        return serve_figures(outcomes, observations or {})
+    t = TARGETS[mode]
+    outs = [o for o in outcomes if o.phase != "warmup"]
+    slowest = max((o.latency_ms for o in outs), default=0.0)
+    configs = sorted({o.config for o in outs})
+    crafted = [o for o in outs if o.population == "abnormal"]
+    normal = [o for o in outs if o.phase == "normal"]
+    f: dict[str, Any] = {"mode": mode, "targets": asdict(t), "configs": configs,
+                         "counts": {c: dict(Counter(o.phase for o in outcomes if o.config == c)) for c in configs},
+                         "slowest_latency_ms": slowest}
+    f["crafted"] = {split: {c: row([o for o in crafted if o.config == c and (split == "all" or o.split == split)])
+                            for c in configs} for split in (*SPLITS, "all")}
+    f["normal"] = {c: row([o for o in normal if o.config == c]) for c in configs}
+    f["by_fault"] = {c: {k: {"fault_set": v[0].fault_set, **row(v)}
+                         for k, v in _by([o for o in crafted if o.config == c], lambda o: o.fault or "none").items()}
+                     for c in configs}
+    f["by_class"] = {c: {k: row(v) for k, v in _by([o for o in crafted if o.config == c],
+                                                   lambda o: o.prompt_class).items()} for c in configs}
+    f["quality"] = {split: quality([o for o in crafted if split == "all" or o.split == split])
+                    for split in (*SPLITS, "all")}
+    # judged on the test half: the guard's bounds were calibrated on clean prompts of both halves once,
+    # the bounds tuned since (bench/calibrate_*.py) on the train half only
+    f["false_handoffs"] = {c: false_handoffs([o for o in normal if o.config == c and o.split == "test"])
+                           for c in configs}
+    f["false_handoffs_train"] = {c: false_handoffs([o for o in normal if o.config == c and o.split == "train"])
+                                 for c in configs}
+    f["false_handoffs_abnormal_clean"] = {c: false_handoffs([o for o in crafted if o.config == c and o.fault is None])
+                                          for c in configs}
+    sides = {c: [o for o in normal if o.config == c] for c in configs}
+    ratios = {}
+    if sides.get(CANDIDATE) and sides.get(BASE):
+        ratios["guarded_over_bare"] = latency_ratio(sides[CANDIDATE], sides[BASE], slowest)
+    if sides.get(AA) and sides.get(BASE):
+        ratios["aa_over_bare"] = latency_ratio(sides[AA], sides[BASE], slowest)
+    f["latency"] = {"normal": {c: latency_side(v, slowest) for c, v in sides.items()}, "ratios": ratios}
+    f["handoff"] = {c: handoffs([o for o in outs if o.config == c]) for c in configs}
+    f["rung_share"] = {c: rung_share([o for o in outs if o.config == c]) for c in configs}
+    f["finish_reasons"] = {c: dict(sorted(Counter(str(o.finish_reason or o.status) for o in outs
+                                                  if o.config == c).items())) for c in configs}
+    ended = [o for o in crafted if o.finish_reason == "repetition"]
+    f["ended_on_repetition"] = {c: {"requests": sum(o.config == c for o in ended),
+                                    "judged_garbage": sum(o.config == c and o.garbage for o in ended)}
+                                for c in configs}
+    f["fp32_identical_normal"] = {c: _identical([o for o in normal if o.config == c]) for c in configs}
+    f["judge"] = judge_summary(outs)
+    f["verdicts"] = verdicts(f, t)
+    f["verdict"] = "pass" if all(v["status"] == "pass" for v in f["verdicts"]) else "fail"
+    return f
+
+
+# -- load benchmarks -----------------------------------------------------------------------------------
+
+def window_rate(outs: Sequence[Outcome]) -> dict[str, Any]:
+    """One closed-loop window: its tokens over its span (first request sent -> last answer done)."""
+    spans = [(o.start_s, o.end_s) for o in outs if o.start_s is not None and o.end_s is not None]
+    span = max(e for _, e in spans) - min(s for s, _ in spans) if spans else 0.0
+    tokens = sum(len(o.token_ids) for o in outs if o.ok)
+    unfaulted = sum(len(o.token_ids) for o in outs if o.ok and o.fault is None)
+    return {"requests": len(outs), "tokens": tokens, "span_s": span, "tok_s": tokens / span if span > 0 else None,
+            "unfaulted_tok_s": unfaulted / span if span > 0 else None}
+
+
+def load_cell(outs: Sequence[Outcome], slowest: float) -> dict[str, Any]:
+    """One configuration at one level over its rounds: tok/s is the median of its windows'."""
+    wins = [window_rate(v) for v in _by(outs, lambda o: str(o.window)).values()]
+    steps = [x for o in outs if o.ok for x in o.step_ms]
+    ttft = [o.ttft_ms for o in outs if o.ok and o.ttft_ms is not None]
+    faulted = [o for o in outs if o.fault is not None]
+    via = [o for o in faulted if o.ok and not o.fallback and o.handed_off and o.rungs and o.rungs[-1] != "int4"
+           and o.finish_reason in ("stop", "length", "repetition")]
+    return {"requests": len(outs), "tokens": sum(w["tokens"] for w in wins), "rounds": len(wins),
+            "tok_s_rounds": [w["tok_s"] for w in wins], "tok_s": percentile([w["tok_s"] for w in wins], 50),
+            "unfaulted_tok_s": percentile([w["unfaulted_tok_s"] for w in wins], 50),
+            "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+            "token_p50_ms": percentile(steps, 50), "token_p99_ms": percentile(steps, 99),
+            "latency_p50_ms": percentile(_effective(outs, slowest), 50),
+            "latency_p99_ms": percentile(_effective(outs, slowest), 99),
+            "five_xx": sum(o.five_xx for o in outs), "fallback": sum(o.ok and o.fallback for o in outs),
+            "judged_garbage": sum(o.garbage for o in outs), "faulted": len(faulted),
+            "faulted_answered_via_standby": len(via)}
+
+
+SERVING_TARGETS = {"guarded_c8_over_c1": 1.3, "guarded_over_raw_c8": 0.95}
+
+
+def serving_figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """`qladder bench serving`: per prompt set, configuration and concurrency; the ratios; the
+    verdicts, on the set of every prompt (loops and all; the screened set is beside, for reading)."""
+    outs = [o for o in outcomes if o.phase != "warmup"]
+    slowest = max((o.latency_ms for o in outs), default=0.0)
+    results: dict[str, Any] = {}
+    for name, group in _by(outs, lambda o: o.phase).items():
+        results[name] = {c: {str(k): load_cell(v, slowest) for k, v in _by([o for o in group if o.config == c],
+                                                                           lambda o: f"{o.concurrency:04d}").items()}
+                         for c in sorted({o.config for o in group})}
+        for cells in results[name].values():  # keys as the concurrency, not its padding
+            for k in list(cells):
+                cells[str(int(k))] = cells.pop(k)
+
+    def tok(name: str, config: str, c: str) -> float | None:
+        return results.get(name, {}).get(config, {}).get(c, {}).get("tok_s")
+
+    ratios = {name: {"guarded_c8_over_c1": ratio(tok(name, "guarded", "8"), tok(name, "guarded", "1")),
+                     "guarded_over_raw_c8": ratio(tok(name, "guarded", "8"), tok(name, "raw", "8")),
+                     "guarded_over_bare_c8": ratio(tok(name, "guarded", "8"), tok(name, "bare", "8")),
+                     "faulted_over_guarded_c8": ratio(tok(name, "guarded_faulted", "8"), tok(name, "guarded", "8"))}
+              for name in results}
+    verdicts = [_verdict(f"all prompts: {k}", ratios.get("all", {}).get(k), lim, lambda v, lim=lim: v >= lim,
+                         f"screened: {ratios.get('screened', {}).get(k)}") for k, lim in SERVING_TARGETS.items()]
+    faulted = [o for o in outs if o.fault is not None]
+    via = sum(load_cell([o], slowest)["faulted_answered_via_standby"] for o in faulted)
+    verdicts.append(_verdict("faulted requests answered through the standby (share)", _rate(via, len(faulted)),
+                             1.0, lambda v: v == 1.0, f"{via} of {len(faulted)}"))
+    verdicts.append(_verdict("requests without an answer (5xx)", sum(o.five_xx for o in outs), 0, lambda v: v == 0))
+    return {"mode": "bench-serving", "results": results, "ratios": ratios, "verdicts": verdicts,
+            "verdict": "pass" if all(v["status"] == "pass" for v in verdicts) else "fail"}
+
+
+SERVE_TARGETS = {"tok_s_ratio": 0.9, "latency_ratio": 1.1, "min_pooled_requests": 500}
+
+
+def serve_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> dict[str, Any]:
+    """`qladder bench serve`: the faulted phase, the burst, and the comparison of guarded with
+    llama-server (tok/s per window; the latency verdict, beside the A/A pair of llama-servers)."""
+    outs = [o for o in outcomes if o.phase != "warmup"]
+    slowest = max((o.latency_ms for o in outs), default=0.0)
+    faulted = [o for o in outs if o.phase == "faulted"]
+    hit = [o for o in faulted if o.fault is not None]
+    obs_f, obs_b = observations.get("faulted", {}), observations.get("burst", {})
+    f: dict[str, Any] = {"mode": "bench-serve", "targets": dict(SERVE_TARGETS)}
+    f["faulted"] = {**row(faulted), "statuses": dict(sorted(Counter(str(o.status) for o in faulted).items())),
+                    "answered_or_429": all(o.ok or o.status == 429 for o in faulted), "faulted_requests": row(hit),
+                    "faulted_handed_off": sum(o.handed_off for o in hit),
+                    "hazards_reported": sum(len(o.hazards) for o in faulted), **obs_f}
+    burst = [o for o in outs if o.phase in ("burst", "recovery")]
+    modes = [m for _, m in obs_b.get("timeline", [])]
+    f["burst"] = {"requests": len(burst), "five_xx": sum(o.five_xx for o in burst), "opened": "open" in modes,
+                  "closed_after": bool(modes) and modes[-1] == "closed", **obs_b}
+    cmp_ = [o for o in outs if o.phase == "compare"]
+    sides = _by(cmp_, lambda o: o.config)
+    f["compare"] = {c: {"windows": [window_rate(w) for w in _by(v, lambda o: f"{o.round:04d}").values()],
+                        "latency": latency_side(v, slowest)} for c, v in sides.items()}
+
+    def per_round(a: str, b: str) -> float | None:
+        wa, wb = f["compare"].get(a, {}).get("windows", []), f["compare"].get(b, {}).get("windows", [])
+        return percentile([ratio(x["tok_s"], y["tok_s"]) for x, y in zip(wa, wb, strict=False)], 50)
+
+    f["ratios"] = {"guarded_over_llama_server_tok_s": per_round("guarded", "llama_server"),
+                   "guarded_over_bare_tok_s": per_round("guarded", "bare"),
+                   "aa_tok_s": per_round("llama_server_aa", "llama_server")}
+    lat = {k: latency_ratio(sides[a], sides[b], slowest) for k, (a, b) in
+           {"guarded_over_llama_server": ("guarded", "llama_server"), "guarded_over_bare": ("guarded", "bare"),
+            "aa_over_llama_server": ("llama_server_aa", "llama_server")}.items() if a in sides and b in sides}
+    f["latency_ratios"] = lat
+    t, v = SERVE_TARGETS, []
+    fr = f["faulted"]
+    v.append(_verdict("faulted phase: 5xx", fr["five_xx"], 0, lambda x: x == 0))
+    v.append(_verdict("faulted phase: every request answered or told 429", float(fr["answered_or_429"]), 1.0,
+                      lambda x: x == 1.0))
+    v.append(_verdict("faulted phase: faulted requests answered clean (share)", fr["faulted_requests"][
+        "answered_clean_rate"], 1.0, lambda x: x == 1.0, f"{fr['faulted_requests']['answered_clean']} of "
+        f"{fr['faulted_requests']['requests']}"))
+    v.append(_verdict("faulted phase: incident rows minus the hazards the answers report",
+                      None if "incident_rows" not in fr else fr["incident_rows"] - fr["hazards_reported"], 0,
+                      lambda x: x == 0))
+    v.append(_verdict("burst: the INT4 breaker opened, then closed", None if not modes else
+                      float(f["burst"]["opened"] and f["burst"]["closed_after"]), 1.0, lambda x: x == 1.0, str(modes)))
+    v.append(_verdict("burst: 5xx", f["burst"]["five_xx"], 0, lambda x: x == 0))
+    v.append(_verdict("compare: guarded tok/s over llama-server (median of per-round ratios)",
+                      f["ratios"]["guarded_over_llama_server_tok_s"], t["tok_s_ratio"], lambda x: x >= t["tok_s_ratio"],
+                      f"A/A: {f['ratios']['aa_tok_s']}"))
+    g, aa = lat.get("guarded_over_llama_server"), lat.get("aa_over_llama_server") or {}
+    lim = t["latency_ratio"]
+    for q in ("p90", "p99"):
+        v.append(_verdict(f"compare: latency {q.upper()} over prompts of the per-prompt median ratio, guarded / "
+                          "llama-server", g[f"per_prompt_{q}"] if g else None, lim, lambda x: x <= lim,
+                          f"A/A: {aa.get(f'per_prompt_{q}')}"))
+    n = g["requests_per_side"] if g else 0
+    v.append(_verdict("compare: latency pooled P99, guarded / llama-server", g["pooled_p99"] if g else None, lim,
+                      lambda x: x <= lim, f"{n} requests per side (needs {t['min_pooled_requests']}); "
+                      f"A/A: {aa.get('pooled_p99')}",
+                      status="insufficient" if g and n < t["min_pooled_requests"] else None))
+    f["verdicts"] = v
+    f["verdict"] = "pass" if all(x["status"] == "pass" for x in v) else "fail"
+    return f
+
+
+def normalized(x: Any) -> Any:
+    """As JSON would give it back (tuples as lists, keys as strings)."""
+    return json.loads(json.dumps(x))
+
+
+def differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where two JSON values differ (exactly: floats included)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = [f"{path}/{k}: only in one" for k in sorted(set(a) ^ set(b))]
+        for k in sorted(set(a) & set(b)):
+            out += differences(a[k], b[k], f"{path}/{k}")
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+def print_verdicts(f: dict[str, Any], out: Any = sys.stdout) -> None:
+    for v in f["verdicts"]:
+        print(f"{v['status'].upper():>12}  {v['name']}: {v['value']} (limit {v['limit']}) {v['note']}", file=out)
+    print(f"verdict: {f['verdict'].upper()}", file=out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m qladder.validate.recompute", description=__doc__.splitlines()[0])
+    ap.add_argument("dir", type=Path, help="a run's output folder (outcomes.jsonl, results.json)")
+    ap.add_argument("--check", action="store_true", help="also exit 1 when a target is missed")
+    a = ap.parse_args(argv)
+    results = json.loads((a.dir / "results.json").read_text(encoding="utf-8"))
+    stored = results["figures"]
+    again = normalized(figures(read_jsonl(a.dir / "outcomes.jsonl"), stored["mode"], results.get("observations")))
+    diff = differences(stored, again)
+    for d in diff[:50]:
+        print(f"DIFFERS {d}")
+    print(f"{len(diff)} figure(s) differ" if diff else "every figure reproduced exactly from outcomes.jsonl"
+          + (" (and the run's observations)" if results.get("observations") else ""))
+    print_verdicts(again)
+    if diff:
+        return 1
+    return 1 if a.check and again["verdict"] != "pass" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

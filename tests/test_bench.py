@@ -1,0 +1,127 @@
+"""The load benchmarks' figures (from their outcomes), their checkers (exit 1 on a miss), and a
+tiny real `bench serving` run whose results recompute from its outcomes.jsonl."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qladder.validate.outcome import Outcome
+from qladder.validate.recompute import figures
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _req(config: str, c: int, r: int, k: int, start: float, end: float, tokens: int, *, fault: str | None = None,
+         phase: str = "all", rungs: list[str] | None = None, handoff: bool = False) -> Outcome:
+    o = Outcome("bench-serving", config, f"n-qa-{k:03d}", "qa", "normal", fault=fault, round=r, phase=phase,
+                concurrency=c, window=f"{phase}/{config}/c{c}/r{r}", start_s=start, end_s=end,
+                latency_ms=(end - start) * 1e3, ttft_ms=10.0, step_ms=[5.0] * (tokens - 1),
+                token_ids=list(range(100, 100 + tokens)), text="A fine answer, word after word.",
+                rungs=rungs or ["int4"] * tokens, finish_reason="length", handoff_ms=[50.0] if handoff else [])
+    o.judge()
+    return o
+
+
+def _serving(rate8: dict[str, float]) -> list[Outcome]:
+    """Each window: 4 requests of 10 tokens over 2 s at c1, over 2 / rate8[config] * ... at c8."""
+    outs = []
+    for r in range(2):
+        for config in ("guarded", "bare", "raw", "guarded_faulted"):
+            for c, span in ((1, 2.0), (8, 40 / rate8[config])):
+                for k in range(4):
+                    fault = "nan@step=3" if config == "guarded_faulted" and k == 0 else None
+                    rungs = ["int4"] * 3 + ["fp32"] * 7 if fault else None
+                    outs.append(_req(config, c, r, k, 0.0 if k == 0 else span / 2, span, 10, fault=fault,
+                                     rungs=rungs, handoff=fault is not None))
+    return outs
+
+
+def test_serving_figures_are_tokens_over_each_windows_span():
+    f = figures(_serving({"guarded": 30.0, "bare": 31.0, "raw": 31.0, "guarded_faulted": 29.0}), "bench-serving")
+    g = f["results"]["all"]["guarded"]
+    assert g["1"]["tok_s"] == pytest.approx(20.0) and g["8"]["tok_s"] == pytest.approx(30.0)
+    assert g["8"]["tok_s_rounds"] == pytest.approx([30.0, 30.0]) and g["8"]["rounds"] == 2
+    assert f["ratios"]["all"]["guarded_c8_over_c1"] == pytest.approx(1.5)
+    assert f["ratios"]["all"]["guarded_over_raw_c8"] == pytest.approx(30 / 31)
+    assert f["results"]["all"]["guarded_faulted"]["8"]["faulted_answered_via_standby"] == 2
+    assert f["verdict"] == "pass", f["verdicts"]
+    slow = figures(_serving({"guarded": 25.0, "bare": 31.0, "raw": 31.0, "guarded_faulted": 29.0}), "bench-serving")
+    assert slow["verdict"] == "fail"
+
+
+def _check(script: str, data: dict, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(data))
+    return subprocess.run([sys.executable, str(BENCH / script), str(path)], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_check_serving_exits_1_on_a_missed_target_or_a_foreign_json(tmp_path):
+    good = {"figures": figures(_serving({"guarded": 30.0, "bare": 31.0, "raw": 31.0, "guarded_faulted": 29.0}),
+                               "bench-serving")}
+    bad = {"figures": figures(_serving({"guarded": 25.0, "bare": 31.0, "raw": 31.0, "guarded_faulted": 29.0}),
+                              "bench-serving")}
+    assert _check("check_serving.py", good, tmp_path).returncode == 0
+    res = _check("check_serving.py", bad, tmp_path)
+    assert res.returncode == 1 and "FAIL" in res.stdout and "guarded_over_raw_c8" in res.stdout
+    assert _check("check_serving.py", {"ratios": {"guarded_c8_over_c1": 9.9}}, tmp_path).returncode == 1
+    assert _check("check_serve.py", good, tmp_path).returncode == 1  # another benchmark's result
+
+
+def _serve_outcomes(guarded_ms: float, faulted_clean: bool) -> list[Outcome]:
+    outs = []
+    for k in range(20):
+        o = Outcome("bench-serve", "guarded", f"n-qa-{k:03d}", "normal", "normal", phase="faulted",
+                    fault="nan@step=2" if k < 2 else None, text="Fine." if faulted_clean or k >= 2 else "",
+                    token_ids=[5, 6] if faulted_clean or k >= 2 else [], latency_ms=100.0,
+                    hazards=["nonfinite"] if k < 2 else [], handoff_ms=[40.0] if k < 2 else [])
+        o.judge(0.3 if o.token_ids else None)
+        outs.append(o)
+    for r in range(5):
+        for config, ms in (("guarded", guarded_ms), ("bare", 100.0), ("llama_server", 100.0),
+                           ("llama_server_aa", 100.0)):
+            for k in range(110):
+                o = Outcome("bench-serve", config, f"n-qa-{k % 40:03d}", "normal", "normal", phase="compare",
+                            round=r, window=f"compare/{config}/r{r}", start_s=float(k % 16), end_s=60.0,
+                            latency_ms=ms, text="Fine.", token_ids=[5] * 60)
+                o.judge()
+                outs.append(o)
+    return outs
+
+
+OBS = {"faulted": {"incident_rows": 2}, "burst": {"timeline": [[0.0, "closed"], [20.0, "open"], [40.0, "half_open"],
+                                                               [45.0, "closed"]]}}
+
+
+def test_serve_figures_and_check_serve(tmp_path):
+    good = figures(_serve_outcomes(104.0, True), "bench-serve", OBS)
+    assert good["verdict"] == "pass", [v for v in good["verdicts"] if v["status"] != "pass"]
+    assert good["latency_ratios"]["guarded_over_llama_server"]["pooled_p99"] == pytest.approx(1.04)
+    assert good["latency_ratios"]["guarded_over_llama_server"]["requests_per_side"] == 550
+    assert _check("check_serve.py", {"figures": good}, tmp_path).returncode == 0
+    for bad in (figures(_serve_outcomes(130.0, True), "bench-serve", OBS),  # latency over 1.1x
+                figures(_serve_outcomes(104.0, False), "bench-serve", OBS),  # faulted answers empty
+                figures(_serve_outcomes(104.0, True), "bench-serve", {"faulted": {"incident_rows": 1}})):
+        assert bad["verdict"] == "fail"
+        assert _check("check_serve.py", {"figures": bad}, tmp_path).returncode == 1
+
+
+@pytest.mark.slow
+def test_a_tiny_serving_run_recomputes_from_its_outcomes(tmp_path):
+    from qladder.benchmarks.serving import run_serving_bench
+    from qladder.validate import recompute
+    from qladder.validate.outcome import read_jsonl
+
+    r = run_serving_bench(n_prompts=3, max_tokens=6, concurrency=(1, 8), rounds=1, fault_share=0.34, out_dir=tmp_path)
+    assert recompute.main([str(tmp_path)]) == 0
+    outs = read_jsonl(tmp_path / "outcomes.jsonl")
+    windows = {o.window for o in outs if o.phase != "warmup"}
+    assert len(windows) == 2 * 2 * 4  # 2 prompt sets x 2 levels x 4 configurations, one round
+    assert {o.config for o in outs} == {"guarded", "bare", "raw", "guarded_faulted"}
+    assert r["figures"]["results"]["all"]["guarded_faulted"]["8"]["faulted"] == 1
+    assert all(len(o.token_ids) == 6 for o in outs if o.config in ("bare", "raw") and o.phase != "warmup")

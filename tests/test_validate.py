@@ -546,3 +546,43 @@ def test_validate_end_to_end_writes_outcomes_results_and_report(tmp_path):
     assert set(r["environment"]["versions"]) >= {"torch", "transformers", "llama_cpp_python", "gguf"}
     html = (tmp_path / "report.html").read_text()
     assert "<table>" in html and html.count("data:image/png;base64") == 5 and "Verdict" in html
+
+
+@pytest.mark.slow
+def test_a_real_guard_with_no_rung_above_gives_up_and_the_table_says_so():
+    """The guarded ladder with its standby taken away: every faulted request ends with the safe
+    fallback. The table shows it answering clean less often than bare, and the verdicts fail."""
+    from qladder.config import Settings
+    from qladder.model import inspect_model
+    from qladder.sampling import SamplingParams
+    from qladder.service import Qladder
+    from qladder.serving import ServingConfig, ServingEngine
+    from qladder.validate.recompute import figures
+    from qladder.validate.replay import Guarded, serve_bare
+
+    info, settings = inspect_model(), Settings.from_env()
+    bare = serve_bare(info, settings)
+    se = ServingEngine(ServingConfig(slots=1, n_ctx=settings.n_ctx, standby_rungs=(), allow_faults=True), info,
+                       settings)
+    giving_up = Guarded(se, Qladder(engines=[se.int4], model=info, settings=settings))
+    outs = []
+    try:
+        for p in corpora.subset(corpora.abnormal_prompts(), {"long_math": 2, "code_block": 2}):
+            for fault in (None, "inf@step=2", "nan@step=2"):
+                for cfg in (bare, giving_up):
+                    o = Outcome("t", cfg.name, p.id, p.cls, "abnormal", fault=fault, split=p.split,
+                                fault_set=p.split if fault else None, phase="faulted" if fault else "abnormal")
+                    cfg.run(p, o, [parse_fault(fault)] if fault else [], SamplingParams(max_tokens=6))
+                    o.judge()
+                    outs.append(o)
+    finally:
+        bare.se.close()
+        se.close()
+    f = figures(outs, "in-process")
+    for split in ("train", "test"):
+        g, b = f["crafted"][split]["guarded"], f["crafted"][split]["bare"]
+        assert g["fallback"] == 4 and g["garbage"] == 0  # no garbage: it gave up instead
+        assert g["answered_clean_rate"] < b["answered_clean_rate"]
+    failed = {v["name"] for v in f["verdicts"] if v["status"] == "fail"}
+    assert {"train: guarded fallback answers", "test: answered clean, guarded minus bare"} <= failed
+    assert f["verdict"] == "fail"

@@ -84,16 +84,20 @@ class GuardConfig:
     step_deadline_s: float = 2.0
     # Remote rungs with a rung above them: the server's own top-1 log-probability, averaged over
     # the last `diffuse_window` tokens, under `diffuse_logprob` means the distribution has diffused
-    # (finite garbage, e.g. a corrupted weight, that no NaN check sees). bench/calibrate_diffuse.py.
+    # (finite garbage, e.g. a corrupted weight, that no NaN check sees). bench/calibrate_diffuse.py, on
+    # the corpora's train half (bench/results/calibrate-diffuse-train-2026-12-01.json): clean answers'
+    # lowest window -2.12 over 157, none under the bound; the x1000 scale's highest -1.85, all 32 under.
     diffuse_window: int = 8
-    diffuse_logprob: float | None = -2.2  # clean: lowest window -2.13 over 322 answers, corrupted -1.85 max
+    diffuse_logprob: float | None = -2.2
     # The answer's first 2..window-1 tokens (judged before the first full window): their mean
     # under this bound. Clean answers reach -2.35 there, a corrupted scale's mostly under -2.5.
     diffuse_first_logprob: float = -2.5
     # A remote rung's first `verify_tokens` are scored by the rung above (where it can: vLLM) before
     # any is released; a token the standby finds over e^verify_gap times less likely than the rung
-    # that drew it is refused (health/remote.check_draft; bench/calibrate_verify.py: clean greedy
-    # answers' largest gap p90 0.24 nats, a corrupted scale's or glitch tokens' smallest 6.4). 0: off.
+    # that drew it is refused (health/remote.check_draft; bench/calibrate_verify.py on the train half,
+    # bench/results/calibrate-verify-train-2026-12-01.json: clean normal answers' largest gap 0.20
+    # nats, 3 of 31 abnormal ones over 18; a corrupted scale's 42 of 43 drafts over 5, the glitch
+    # tokens' 4 of 4). 0: off.
     verify_tokens: int = 8
     verify_gap: float = 5.0
     # vLLM (0.32, CPU) scores a prompt without its prefix cache, at a cost that grows with it: 0.19 s

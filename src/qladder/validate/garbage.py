@@ -179,11 +179,13 @@ def periodic_tail(ids: Sequence[int], max_period: int = 32, min_copies: int = 3)
     return best
 
 
-def same_answer(answer: Sequence[int], reference: Sequence[int], loop_slack: int = 4) -> bool:
-    """Is `answer` the reference's own (fp32 alone, greedy, on the same prompt ids)? The same ids,
-    or, for a loop, the same loop (period, and a pattern one is a rotation of the other's)
-    starting within `loop_slack` tokens."""
-    if list(answer) == list(reference):
+def same_answer(answer: Sequence[int], reference: Sequence[int], loop_slack: int = 4, cut: bool = False) -> bool:
+    """Is `answer` the reference's own (fp32 alone, greedy, on the same prompt ids)? The same ids
+    (`cut`: the answer was cut by max_tokens and dropped the up to 3 tokens of the character the cut
+    fell inside), or, for a loop, the same loop (period, and a pattern one is a rotation of the
+    other's) starting within `loop_slack` tokens."""
+    n = len(answer)
+    if list(answer) == list(reference[:n]) and (len(reference) == n or (cut and len(reference) - n <= 3)):
         return True
     a, b = periodic_tail(answer), periodic_tail(reference)
     if a is None or b is None or a[1] != b[1] or abs(a[0] - b[0]) > loop_slack:

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import shutil
 import tempfile
+import threading
 import time
 import tomllib
 from collections.abc import Callable, Sequence
@@ -53,6 +54,7 @@ REMOTE_FAULTS = tuple(m.name for m in ALL_FAULT_MODELS if m.gguf_patch is not No
 EXAMPLE_CONFIG = Path(__file__).with_name("remote_example.toml")
 MODEL = "smollm2-135m-instruct"
 CONFIGS = ("bare", "bare_aa", "guarded")
+_VOCAB_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -248,8 +250,10 @@ def _sse(lines: Any) -> Any:
             yield json.loads(line[6:])
 
 
-def bare_request(base_url: str, o: Outcome, f: Forms, max_tokens: int, timeout_s: float) -> None:
-    """One request to llama-server's /completion (token ids in, the server's ids out), streamed."""
+def bare_request(base_url: str, o: Outcome, f: Forms, max_tokens: int, timeout_s: float, vocab: Any) -> None:
+    """One request to llama-server's /completion (token ids in, the server's ids out), streamed.
+    llama-server streams no chunk for a token that ends inside a UTF-8 character and then only the
+    last token's id: where the ids do not spell the text, the text is re-tokenized (flagged)."""
     o.prompt, o.prompt_tokens, o.token_ids_source = f.bare_text, len(f.bare_ids), "server"
     body = {"prompt": f.bare_ids, "n_predict": max_tokens, "temperature": 0, "seed": 0, "stream": True,
             "return_tokens": True, "cache_prompt": True}
@@ -275,6 +279,9 @@ def bare_request(base_url: str, o: Outcome, f: Forms, max_tokens: int, timeout_s
         o.status, o.error = "error", f"connection: {type(exc).__name__}"
     o.latency_ms = (time.perf_counter() - t0) * 1e3
     o.text = "".join(pieces)
+    with _VOCAB_LOCK:  # client threads share the harness's vocabulary
+        if o.ok and vocab.detokenize_bytes(o.token_ids) != o.text.encode("utf-8"):
+            o.token_ids, o.token_ids_source = vocab.tokenize(o.text, False) if o.text else [], "retokenized"
     o.rungs = ["llama-server"] * len(o.token_ids)
 
 
@@ -394,7 +401,7 @@ class RemoteRun:
 
 
 def run_jobs(run: RemoteRun, jobs: Sequence[Job], config: str, forms_of: Callable[[Prompt], Forms],
-             tick: Callable[[], None]) -> None:
+             tick: Callable[[], None], vocab: Any) -> None:
     """Every job through one configuration, `clients` at a time; outcomes recorded in job order."""
     c = run.cfg
 
@@ -404,7 +411,7 @@ def run_jobs(run: RemoteRun, jobs: Sequence[Job], config: str, forms_of: Callabl
             guarded_request(run.served[j.served].gateway_url, o, f, c.max_tokens, c.request_timeout_s)
             return o, f.guarded_ids
         name = "clean_aa" if config == "bare_aa" else j.served
-        bare_request(run.served[name].llama.base_url, o, f, c.max_tokens, c.request_timeout_s)
+        bare_request(run.served[name].llama.base_url, o, f, c.max_tokens, c.request_timeout_s, vocab)
         return o, f.bare_ids
 
     with cf.ThreadPoolExecutor(c.clients, thread_name_prefix=f"client-{config}") as pool:
@@ -432,7 +439,7 @@ def judge_all(run: RemoteRun, judge: Fp32Judge) -> None:
         o.judge(nll, score_failed=nll is None)
         if o.population == "abnormal" or o.garbage or o.prompt_id in refs:
             ref = judge.greedy(ids, n)
-            o.fp32_identical = None if ref is None else same_answer(o.token_ids, ref)
+            o.fp32_identical = None if ref is None else same_answer(o.token_ids, ref, cut=o.finish_reason == "length")
         if o.config == "guarded" and o.fault is not None:
             k = 0
             while k < len(o.rungs) and o.rungs[k] == "llama-server":
@@ -471,11 +478,9 @@ def validate_remote(cfg: RemoteValidateConfig, out_dir: Path, show_progress: boo
     info = inspect_model(None, settings.cache_dir)
     vocab = LlamaVocab(info)
     preparer = Preparer(info, vocab.tokenize, cfg.n_ctx_per_slot)
-    cache: dict[str, Forms] = {}
+    cache = {p.id: forms(p, info, vocab, preparer, cfg.max_tokens) for p in [*run.normal, *run.abnormal]}
 
-    def forms_of(p: Prompt) -> Forms:
-        if p.id not in cache:
-            cache[p.id] = forms(p, info, vocab, preparer, cfg.max_tokens)
+    def forms_of(p: Prompt) -> Forms:  # made here, before any client thread: read-only from there on
         return cache[p.id]
 
     work = Path(tempfile.mkdtemp(prefix="qladder-remote-"))
@@ -507,7 +512,7 @@ def validate_remote(cfg: RemoteValidateConfig, out_dir: Path, show_progress: boo
             if s.name != "clean_aa":
                 start_gateway(s, vllm_url, cfg, work)
         run.times["gateway_start_s"] = time.perf_counter() - t
-        replay(run, normal_jobs, abnormal_jobs, forms_of, progress)
+        replay(run, normal_jobs, abnormal_jobs, forms_of, progress, vocab)
         progress.phase("judge (fp32 on vLLM)")
         t = time.perf_counter()
         judge_all(run, Fp32Judge(vllm_url, model_id))
@@ -539,23 +544,23 @@ def validate_remote(cfg: RemoteValidateConfig, out_dir: Path, show_progress: boo
 
 
 def replay(run: RemoteRun, normal_jobs: list[Job], abnormal_jobs: list[Job], forms_of: Callable[[Prompt], Forms],
-           progress: Any) -> None:
+           progress: Any, vocab: Any) -> None:
     c = run.cfg
     progress.phase("warm-up")
     warm = [Job(run.normal[i % len(run.normal)], "warmup", None, "clean") for i in range(c.warmup)]
     for config in CONFIGS:
-        run_jobs(run, warm, config, forms_of, progress.tick)
+        run_jobs(run, warm, config, forms_of, progress.tick, vocab)
     progress.phase("normal (bare, A/A, guarded, rotated)")
     t = time.perf_counter()
     for r in range(c.rounds):
         jobs = [dataclasses.replace(j, round=r) for j in normal_jobs]
         for config in (*CONFIGS[r % 3:], *CONFIGS[:r % 3]):
-            run_jobs(run, jobs, config, forms_of, progress.tick)
+            run_jobs(run, jobs, config, forms_of, progress.tick, vocab)
     run.times["normal_s"] = time.perf_counter() - t
     progress.phase("abnormal and faulted")
     t = time.perf_counter()
     for config in ("bare", "guarded"):
-        run_jobs(run, abnormal_jobs, config, forms_of, progress.tick)
+        run_jobs(run, abnormal_jobs, config, forms_of, progress.tick, vocab)
     run.times["abnormal_s"] = time.perf_counter() - t
 
 

@@ -200,8 +200,16 @@ def serve_guarded(info: ModelInfo, fp32: Engine, settings: Settings, incidents: 
 def continuation_identical(answer: Sequence[int], prefix: int, reference: Sequence[int], finish: str | None) -> bool:
     """Is the answer after its first `prefix` tokens the reference continuation (fp32's greedy
     answer to prompt + answer[:prefix], for the tokens left)? An answer that ended on a confirmed
-    loop keeps one copy of its pattern, so it need only start the reference."""
+    loop keeps one copy of its pattern, so it need only start the reference; one cut by max_tokens
+    drops the tokens of a character it ended inside (at most 3)."""
     rest = list(answer[prefix:])
     if finish == "repetition":
         return rest == list(reference[:len(rest)])
-    return rest == list(reference)
+    return same_ids(rest, reference, cut=finish == "length")
+
+
+def same_ids(answer: Sequence[int], reference: Sequence[int], cut: bool) -> bool:
+    """The same ids; for an answer cut by max_tokens, the reference may hold up to 3 more (the
+    tokens of the character the cut fell inside, which the answer drops)."""
+    n = len(answer)
+    return list(answer) == list(reference[:n]) and (len(reference) == n or (cut and len(reference) - n <= 3))

@@ -63,7 +63,7 @@ class ValidateConfig:
     abnormal_per_class: dict[str, int] | int = field(default_factory=lambda: dict(FULL_ABNORMAL))
     fault_names: tuple[str, ...] = ()
     prompts_per_fault: int = 5
-    rounds: int = 3  # 224 normal prompts x 3: >= 500 requests per side for the pooled P99
+    rounds: int = 5  # 224 normal prompts x 5: >= 500 requests per side for the pooled P99, medians of 5
     warmup: int = 2
     reference_prompts: int | None = 48  # normal prompts answered by fp32 for agreement (None: all)
     sweep_xs: tuple[float, ...] = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0)
@@ -88,7 +88,7 @@ class ValidateConfig:
     @classmethod
     def quick_preset(cls, **kw: Any) -> ValidateConfig:
         base = cls(quick=True, max_tokens=24, normal_per_class=3, abnormal_per_class=QUICK_ABNORMAL,
-                   prompts_per_fault=2, rounds=3, warmup=2, reference_prompts=8, sweep_prompts=1,
+                   prompts_per_fault=1, rounds=3, warmup=2, reference_prompts=8, sweep_prompts=1,
                    sweep_tokens=8, level_prompts=3, level_rounds=2, level_tokens=12, n_ctx=512,
                    replay_jobs=8, replay_max_tokens=4)
         return dataclasses.replace(base, **kw)
@@ -365,7 +365,7 @@ def references(run: Run, progress: Progress) -> None:
         if not o.ok or o.fallback or not ids:
             continue
         if o.population == "abnormal" or o.garbage or o.prompt_id in refs:
-            o.fp32_identical = same_answer(o.token_ids, ref(ids, c.max_tokens))
+            o.fp32_identical = same_answer(o.token_ids, ref(ids, c.max_tokens), cut=o.finish_reason == "length")
         if o.config == "guarded" and o.fault is not None:
             k = 0
             while k < len(o.rungs) and o.rungs[k] == "int4":

@@ -82,6 +82,11 @@ def _serve_outcomes(guarded_ms: float, faulted_clean: bool) -> list[Outcome]:
                     hazards=["nonfinite"] if k < 2 else [], handoff_ms=[40.0] if k < 2 else [])
         o.judge(0.3 if o.token_ids else None)
         outs.append(o)
+    for k in range(10):
+        o = Outcome("bench-serve", "guarded", f"burst-{k}", "normal", "normal", phase="burst", fault="nan@step=1",
+                    text="Fine.", token_ids=[5, 6], latency_ms=100.0, hazards=["nonfinite"], handoff_ms=[40.0])
+        o.judge()
+        outs.append(o)
     for r in range(5):
         for config, ms in (("guarded", guarded_ms), ("bare", 100.0), ("llama_server", 100.0),
                            ("llama_server_aa", 100.0)):

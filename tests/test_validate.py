@@ -164,6 +164,7 @@ def test_cli_patch_gguf_writes_a_copy_and_refuses_mistakes(tmp_path, model_info)
     ("tab\tnew\nline", [1, 2], "", ()),
     ("\u25a0\u25a0\u25a0 \u2588\u2588", [1, 2], "", ("black_squares",)),
     ("......", [30], "", ("char_flood",)),  # merged into one token, the text still shows it
+    ("| a | b |\n|------|---|\n| 1 | 2 |", [1, 2, 3, 4, 5], "", ()),  # a markdown rule is not a flood
     ("ab", [7, 7, 7, 7, 7, 7], "", ("token_flood",)),
     ("ab", [7, 7, 7, 7, 7], "", ()),
     ("", [], "", ("empty",)),
@@ -172,6 +173,20 @@ def test_cli_patch_gguf_writes_a_copy_and_refuses_mistakes(tmp_path, model_info)
 ])
 def test_judge_symptoms(text, ids, prompt, reasons):
     assert judge(text, ids, prompt).reasons == reasons
+
+
+def test_numbers_rules_and_ellipses_are_not_floods_but_floods_are(model_info):
+    from qladder.engines.llamacpp import LlamaVocab
+
+    v = LlamaVocab(model_info)
+    try:
+        for text in ("The answer is 1000000.", "Wait... let me think.", "def f():\n    # ----------\n    return 0",
+                     "Total: 0.0000001 m", "Hmm, ok."):
+            assert judge(text, v.tokenize(text, False)).reasons == (), text
+        for text in ("." * 32, "!!!!!!!", "((((((((((", "Yes" + "?" * 9):
+            assert judge(text, v.tokenize(text, False)).garbage, text
+    finally:
+        v.close()
 
 
 def test_the_inf_scale_answer_is_garbage_without_a_likelihood():

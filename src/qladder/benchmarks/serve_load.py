@@ -25,8 +25,9 @@ totals are `observations` in results.json. Every figure (tok/s of a window = its
 over its span; the latency verdict per prompt and pooled, beside the A/A pair) is computed from
 them by `qladder.validate.recompute` (`figures(outcomes, "bench-serve", observations)`).
 Answer ids: qladder's own (the "qladder" extension); llama-server's chat stream gives none, so its
-answers are re-tokenized from the text (flagged `retokenized`). Greedy (temperature 0), `max_tokens`
-per answer, streaming.
+answers are re-tokenized from the text for the judge (flagged `retokenized`), while tok/s counts
+each server's own count (llama-server's usage less the end-of-sequence token it includes).
+Greedy (temperature 0), `max_tokens` per answer, streaming.
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ async def _one(h: httpx.AsyncClient, url: str, body: dict[str, Any], o: Outcome,
                     if "error" in chunk:
                         o.status, o.error = "error", str(chunk["error"])[:200]
                         break
+                    if chunk.get("usage"):  # the server's own count of the answer's tokens
+                        o.completion_tokens = int(chunk["usage"]["completion_tokens"])
                     for c in chunk.get("choices") or []:
                         piece = (c.get("delta") or {}).get("content") or ""
                         if piece:
@@ -128,9 +131,15 @@ async def _one(h: httpx.AsyncClient, url: str, body: dict[str, Any], o: Outcome,
     o.end_s = clock.now()
     o.latency_ms = (o.end_s - o.start_s) * 1e3
     o.text = "".join(parts)
+    if o.ok and o.config.startswith("llama_server") and o.completion_tokens is not None \
+            and o.finish_reason == "stop":
+        o.completion_tokens -= 1  # llama-server counts the end-of-sequence token; qladder's ids do not
+    if o.ok and not o.config.startswith("llama_server") and not ext:
+        o.status, o.error = "error", "the answer's last chunk carried no qladder extension"
     if ext:
         o.token_ids, o.rungs = [int(t) for t in ext.get("token_ids", [])], [str(x) for x in ext.get("token_rungs", [])]
         o.token_ids_source = "server"
+        o.completion_tokens = len(o.token_ids)
         o.finish_reason = ext.get("finish_reason", o.finish_reason)
         o.fallback = bool(ext.get("fallback"))
         o.hazards = [h["check"] for h in ext.get("hazards", [])]
@@ -153,7 +162,8 @@ async def _closed_loop(base_url: str, config: str, phase: str, window: str, rnd:
             while time.perf_counter() < end:
                 pid, prompt, faults = jobs[next(counter) % len(jobs)]
                 body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
-                                        "max_tokens": max_tokens, "temperature": 0, "stream": True}
+                                        "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                                        "stream_options": {"include_usage": True}}
                 if not config.startswith("llama_server"):
                     body["qladder"] = {"return_token_ids": True, **({"faults": faults} if faults else {})}
                 o = Outcome(RUN, config, pid, "normal", "normal", fault=",".join(faults) or None, round=rnd,
@@ -247,7 +257,7 @@ def run_serve_bench(duration_s: float = 120.0, window_s: float = 60.0, rounds: i
         g2.stop()
     outcomes += _compare(work, pools, info.path, clean, clients, window_s, rounds, max_tokens, slots, threads,
                          clock, say)
-    _judge(outcomes, info, say)
+    _judge(outcomes, info, max_tokens, say)
     return _write({**head, "observations": obs}, outcomes, out_dir)
 
 
@@ -353,7 +363,7 @@ def _compare(work: Path, pools: str, gguf: Path, clean: list[Job], clients: int,
     return out
 
 
-def _judge(outcomes: list[Outcome], info: Any, say: Any) -> None:
+def _judge(outcomes: list[Outcome], info: Any, max_tokens: int, say: Any) -> None:
     """Every answer judged. llama-server's ids re-tokenized from its text (its chat stream gives
     none); the faulted phase's answers also scored by a local fp32 engine (the likelihood judge)."""
     from qladder.config import Settings
@@ -376,7 +386,7 @@ def _judge(outcomes: list[Outcome], info: Any, say: Any) -> None:
             for o in outcomes:
                 if o.phase != "faulted" or not o.ok or o.fallback or not o.token_ids:
                     continue
-                ids = preparer.encode_messages([{"role": "user", "content": o.prompt}], 64)[0]
+                ids = preparer.encode_messages([{"role": "user", "content": o.prompt}], max_tokens)[0]
                 try:
                     nll = mean_nll(fp32.score(ids, o.token_ids))
                 except Exception:  # counted: unjudged unless a symptom decides

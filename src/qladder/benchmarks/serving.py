@@ -198,9 +198,9 @@ def _raw_answers(engine: BatchedLlamaCpp, prompts: list[list[int]], max_tokens: 
 
 
 def _faulted(jobs: list[Job], share: float, max_tokens: int, rng: random.Random) -> list[Job]:
-    """Exactly round(share x prompts) of the jobs given `nan@step=K`, K seeded."""
-    hit = set(rng.sample(range(len(jobs)), max(1, round(share * len(jobs))) if share else 0))
-    return [(p, ids, parse_fault(f"nan@step={rng.randint(1, max_tokens // 2)}") if k in hit else None)
+    """Exactly round(share x prompts) of the jobs (at least one) given `nan@step=K`, K seeded."""
+    hit = set(rng.sample(range(len(jobs)), min(len(jobs), max(1, round(share * len(jobs))))) if share else ())
+    return [(p, ids, parse_fault(f"nan@step={rng.randint(1, max(1, max_tokens // 2))}") if k in hit else None)
             for k, (p, ids, _) in enumerate(jobs)]
 
 

@@ -11,9 +11,14 @@ from the ids and the text alone:
                       and carriage return; DEL; C1), unless the prompt holds that run
     black_squares     a run of three or more U+25A0 / U+25A1 / U+2588 / U+2B1B
     token_flood       one token id FLOOD_RUN or more times in a row (`......` is token 30 x 32;
-                      token 0, what argmax returns on an all-NaN or all-zero row, is one case)
-    char_flood        one non-space character FLOOD_RUN or more times in a row ("......",
-                      "!!!!!!"): text whose ids were merged differently still shows it
+                      token 0, what argmax returns on an all-NaN or all-zero row, is one case),
+                      unless the text spells a number that long (SmolLM2 has one token a digit:
+                      1000000 is six 0 tokens)
+    char_flood        one character, not a space or a digit, FLOOD_RUN or more times in a row
+                      ("!!!!!!", "(((((("): text whose ids were merged differently still shows
+                      it. The characters of rules and ellipses (- = _ * # ~ .), which markdown,
+                      code and prose repeat, flood only when the run is at least half the
+                      answer's visible characters ("......" alone, not a table's |------|)
     token0_flood      token id 0 (`<|endoftext|>`) three or more times, anywhere
     empty             nothing but whitespace (an answer of zero tokens included)
     loop              degenerate repetition by measures the guard does not use (the neural text
@@ -38,6 +43,7 @@ symptom already makes it garbage): it is neither clean nor garbage, and it is co
 
 from __future__ import annotations
 
+import math
 import re
 import unicodedata
 import zlib
@@ -57,7 +63,9 @@ TOKEN0_FLOOD = 3
 IMPLAUSIBLE_NLL = 4.0  # nats per token under the fp32 reference
 REASONS = ("nan_text", "replacement_char", "control_chars", "black_squares", "token_flood", "char_flood",
            "token0_flood", "empty", "loop", "implausible")
-_CHAR_FLOOD = re.compile(r"(\S)\1{" + str(FLOOD_RUN - 1) + ",}")
+_CHAR_FLOOD = re.compile(r"([^\s\d])\1{" + str(FLOOD_RUN - 1) + ",}")
+_DIGIT_RUN = re.compile(r"(\d)\1*")
+RULE_CHARS = frozenset("-=_*#~.")  # repeated by markdown rules, code separators and ellipses
 
 
 @dataclass(frozen=True)
@@ -141,18 +149,25 @@ def symptoms(text: str, token_ids: Sequence[int], prompt: str = "") -> tuple[lis
         reasons.append("control_chars")
     if _SQUARES.search(text):
         reasons.append("black_squares")
-    if longest_run(token_ids)[0] >= FLOOD_RUN:
+    run = longest_run(token_ids)[0]
+    if run >= FLOOD_RUN and not any(len(m.group(0)) >= run for m in _DIGIT_RUN.finditer(text)):
         reasons.append("token_flood")
-    if _CHAR_FLOOD.search(text):
+    if _char_flood(text):
         reasons.append("char_flood")
     if sum(1 for t in token_ids if t == 0) >= TOKEN0_FLOOD:
         reasons.append("token0_flood")
     if not text.strip():
         reasons.append("empty")
     r4, z = rep_n(token_ids), zlib_ratio(text)
-    if len(token_ids) >= LOOP_MIN_TOKENS and r4 >= LOOP_REP4 and (z is None or z >= LOOP_ZLIB):
+    if len(token_ids) >= LOOP_MIN_TOKENS and r4 >= LOOP_REP4 and (
+            z >= LOOP_ZLIB if z is not None else periodic_tail(token_ids) is not None):
         reasons.append("loop")
     return reasons, r4, z
+
+
+def _char_flood(text: str) -> bool:
+    visible = sum(1 for ch in text if not ch.isspace())
+    return any(m.group(1) not in RULE_CHARS or 2 * len(m.group(0)) >= visible for m in _CHAR_FLOOD.finditer(text))
 
 
 def judge(text: str, token_ids: Sequence[int], prompt: str = "", nll: float | None = None,
@@ -160,6 +175,8 @@ def judge(text: str, token_ids: Sequence[int], prompt: str = "", nll: float | No
     """The verdict on one answer. `nll`: its mean negative log-likelihood under the fp32
     reference, when scored; `score_failed`: scoring was asked for and failed."""
     reasons, r4, z = symptoms(text, token_ids, prompt)
+    if nll is not None and not math.isfinite(nll):  # no score to read: as if scoring had failed
+        nll, score_failed = None, True
     if nll is not None and nll > IMPLAUSIBLE_NLL:
         reasons.append("implausible")
     unjudged = score_failed and nll is None and not reasons
@@ -179,13 +196,16 @@ def periodic_tail(ids: Sequence[int], max_period: int = 32, min_copies: int = 3)
     return best
 
 
-def same_answer(answer: Sequence[int], reference: Sequence[int], loop_slack: int = 4, cut: bool = False) -> bool:
+def same_answer(answer: Sequence[int], reference: Sequence[int], loop_slack: int = 4,
+                finish: str | None = None) -> bool:
     """Is `answer` the reference's own (fp32 alone, greedy, on the same prompt ids)? The same ids
-    (`cut`: the answer was cut by max_tokens and dropped the up to 3 tokens of the character the cut
-    fell inside), or, for a loop, the same loop (period, and a pattern one is a rotation of the
+    (an answer cut by max_tokens may have dropped the up to 3 tokens of the character the cut fell
+    inside; one ended on a confirmed loop keeps one copy of it, so it need only start the
+    reference), or, for a loop, the same loop (period, and a pattern one is a rotation of the
     other's) starting within `loop_slack` tokens."""
     n = len(answer)
-    if list(answer) == list(reference[:n]) and (len(reference) == n or (cut and len(reference) - n <= 3)):
+    if list(answer) == list(reference[:n]) and (len(reference) == n or finish == "repetition"
+                                                or (finish == "length" and len(reference) - n <= 3)):
         return True
     a, b = periodic_tail(answer), periodic_tail(reference)
     if a is None or b is None or a[1] != b[1] or abs(a[0] - b[0]) > loop_slack:

@@ -24,7 +24,8 @@ reader needs to recompute each figure of the run's report (`qladder.validate.rec
                                     continuation of that prefix (faulted greedy requests)
     verdict                         the judge's (garbage.Verdict.to_dict)
     concurrency, window, start_s,   load benchmarks: the closed-loop window of the request (its
-    end_s, step_ms                  tok/s = the window's tokens over its span) and token intervals
+    end_s, step_ms,                 tok/s = the window's tokens over its span), token intervals, and
+    completion_tokens               the answer's length as the server counted it (EOS left out)
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Outcome:
     start_s: float | None = None
     end_s: float | None = None
     step_ms: list[float] = field(default_factory=list)  # intervals between the answer's tokens
+    completion_tokens: int | None = None  # as the server counted them (end-of-sequence left out)
 
     # -- what the figures need ------------------------------------------------------------------
     @property
@@ -113,6 +115,11 @@ class Outcome:
     @property
     def handed_off(self) -> bool:
         return bool(self.handoff_ms)
+
+    @property
+    def tokens(self) -> int:
+        """The answer's tokens, as the server counted them where it did (load benchmarks)."""
+        return self.completion_tokens if self.completion_tokens is not None else len(self.token_ids)
 
     @property
     def reasons(self) -> list[str]:
@@ -153,7 +160,7 @@ class Outcome:
 def write_jsonl(path: Path, outcomes: Iterable[Outcome]) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         for o in outcomes:
-            fh.write(json.dumps(o.to_dict(), ensure_ascii=False) + "\n")
+            fh.write(json.dumps(o.to_dict()) + "\n")  # ASCII escapes: any str, a lone surrogate too
 
 
 def read_jsonl(path: Path) -> list[Outcome]:

@@ -83,14 +83,27 @@ def _by(outs: Iterable[Outcome], key: Callable[[Outcome], str]) -> dict[str, lis
     return dict(sorted(groups.items()))
 
 
+RUNG0 = frozenset({"int4", "llama-server"})  # the rungs an answer starts on when nothing moved it
+
+
+def moved(o: Outcome) -> bool:
+    """Did the answer leave (or never start on) the INT4 rung: a handoff, or a gateway that routed
+    the request to the standby (a quarantined prompt, an open breaker)?"""
+    return o.handed_off or bool(o.rungs and o.rungs[0] not in RUNG0)
+
+
 def quality(outs: Sequence[Outcome]) -> dict[str, Any]:
-    """Greedy faulted requests of the guarded configuration: the share whose answer, after its
-    rung-0 prefix, is token-identical to fp32's greedy continuation of that prefix. A request with
-    no answer, a fallback, or no reference computed counts as not identical."""
-    pop = [o for o in outs if o.config == CANDIDATE and o.fault is not None and o.greedy]
+    """Greedy faulted requests of the guarded configuration that left the INT4 rung: the share whose
+    answer, after its rung-0 prefix, is token-identical to fp32's greedy continuation of that prefix.
+    A request with no answer, a fallback, or no reference computed counts as not identical; faulted
+    requests that never left the INT4 rung have no continuation to compare (counted beside: the
+    garbage verdicts judge them)."""
+    faulted = [o for o in outs if o.config == CANDIDATE and o.fault is not None and o.greedy]
+    pop = [o for o in faulted if not o.ok or o.fallback or moved(o)]
     same = sum(1 for o in pop if o.ok and not o.fallback and o.fp32_continuation_identical is True)
     return {"requests": len(pop), "identical": same, "share": _rate(same, len(pop)),
-            "not_computed": sum(1 for o in pop if o.ok and o.fp32_continuation_identical is None)}
+            "not_computed": sum(1 for o in pop if o.ok and o.fp32_continuation_identical is None),
+            "faulted_never_moved": len(faulted) - len(pop)}
 
 
 def _effective(outs: Sequence[Outcome], slowest: float) -> list[float]:
@@ -164,7 +177,8 @@ def rung_share(outs: Sequence[Outcome]) -> dict[str, float]:
 
 
 def false_handoffs(outs: Sequence[Outcome]) -> dict[str, Any]:
-    n, k = len(outs), sum(o.handed_off for o in outs)
+    """Clean requests that left the INT4 rung (a handoff, or a quarantine a handoff left behind)."""
+    n, k = len(outs), sum(moved(o) for o in outs)
     return {"requests": n, "handed_off": k, "rate": _rate(k, n),
             "hazards": dict(sorted(Counter(h for o in outs for h in o.hazards).items()))}
 
@@ -199,6 +213,13 @@ def verdicts(f: dict[str, Any], t: Targets) -> list[dict[str, Any]]:
         q = f["quality"][split]
         out.append(_verdict(f"{split}: greedy faulted answers token-identical to fp32's continuation",
                             q["share"], t.quality_share, lambda v: v >= t.quality_share))
+    g, b = f["normal"].get(CANDIDATE, {}), f["normal"].get(BASE, {})
+    n = g.get("requests", 0)
+    out.append(_verdict("normal: guarded 5xx", g.get("five_xx") if n else None, 0, lambda v: v == 0))
+    out.append(_verdict("normal: guarded fallback answers", g.get("fallback") if n else None, 0, lambda v: v == 0))
+    gc, bc = g.get("answered_clean_rate"), b.get("answered_clean_rate")
+    out.append(_verdict("normal: answered clean, guarded minus bare", None if gc is None or bc is None else gc - bc,
+                        0.0, lambda v: v >= 0))
     j = f["judge"]
     out.append(_verdict("unjudged answers (likelihood asked for, not computed)", j["unjudged_share"],
                         t.max_unjudged_share, lambda v: v <= t.max_unjudged_share))
@@ -282,8 +303,8 @@ def window_rate(outs: Sequence[Outcome]) -> dict[str, Any]:
     """One closed-loop window: its tokens over its span (first request sent -> last answer done)."""
     spans = [(o.start_s, o.end_s) for o in outs if o.start_s is not None and o.end_s is not None]
     span = max(e for _, e in spans) - min(s for s, _ in spans) if spans else 0.0
-    tokens = sum(len(o.token_ids) for o in outs if o.ok)
-    unfaulted = sum(len(o.token_ids) for o in outs if o.ok and o.fault is None)
+    tokens = sum(o.tokens for o in outs if o.ok)
+    unfaulted = sum(o.tokens for o in outs if o.ok and o.fault is None)
     return {"requests": len(outs), "tokens": tokens, "span_s": span, "tok_s": tokens / span if span > 0 else None,
             "unfaulted_tok_s": unfaulted / span if span > 0 else None}
 
@@ -366,12 +387,12 @@ def serve_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> 
                   "closed_after": bool(modes) and modes[-1] == "closed", **obs_b}
     cmp_ = [o for o in outs if o.phase == "compare"]
     sides = _by(cmp_, lambda o: o.config)
-    f["compare"] = {c: {"windows": [window_rate(w) for w in _by(v, lambda o: f"{o.round:04d}").values()],
+    f["compare"] = {c: {"windows": {str(r): window_rate(w) for r, w in _by(v, lambda o: f"{o.round:04d}").items()},
                         "latency": latency_side(v, slowest)} for c, v in sides.items()}
 
-    def per_round(a: str, b: str) -> float | None:
-        wa, wb = f["compare"].get(a, {}).get("windows", []), f["compare"].get(b, {}).get("windows", [])
-        return percentile([ratio(x["tok_s"], y["tok_s"]) for x, y in zip(wa, wb, strict=False)], 50)
+    def per_round(a: str, b: str) -> float | None:  # windows paired by round
+        wa, wb = f["compare"].get(a, {}).get("windows", {}), f["compare"].get(b, {}).get("windows", {})
+        return percentile([ratio(wa[r]["tok_s"], wb[r]["tok_s"]) for r in sorted(set(wa) & set(wb))], 50)
 
     f["ratios"] = {"guarded_over_llama_server_tok_s": per_round("guarded", "llama_server"),
                    "guarded_over_bare_tok_s": per_round("guarded", "bare"),
@@ -382,9 +403,10 @@ def serve_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> 
     f["latency_ratios"] = lat
     t, v = SERVE_TARGETS, []
     fr = f["faulted"]
-    v.append(_verdict("faulted phase: 5xx", fr["five_xx"], 0, lambda x: x == 0))
-    v.append(_verdict("faulted phase: every request answered or told 429", float(fr["answered_or_429"]), 1.0,
-                      lambda x: x == 1.0))
+    some = bool(faulted)
+    v.append(_verdict("faulted phase: 5xx", fr["five_xx"] if some else None, 0, lambda x: x == 0))
+    v.append(_verdict("faulted phase: every request answered or told 429", float(fr["answered_or_429"]) if some
+                      else None, 1.0, lambda x: x == 1.0))
     v.append(_verdict("faulted phase: faulted requests answered clean (share)", fr["faulted_requests"][
         "answered_clean_rate"], 1.0, lambda x: x == 1.0, f"{fr['faulted_requests']['answered_clean']} of "
         f"{fr['faulted_requests']['requests']}"))
@@ -393,7 +415,7 @@ def serve_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> 
                       lambda x: x == 0))
     v.append(_verdict("burst: the INT4 breaker opened, then closed", None if not modes else
                       float(f["burst"]["opened"] and f["burst"]["closed_after"]), 1.0, lambda x: x == 1.0, str(modes)))
-    v.append(_verdict("burst: 5xx", f["burst"]["five_xx"], 0, lambda x: x == 0))
+    v.append(_verdict("burst: 5xx", f["burst"]["five_xx"] if burst else None, 0, lambda x: x == 0))
     v.append(_verdict("compare: guarded tok/s over llama-server (median of per-round ratios)",
                       f["ratios"]["guarded_over_llama_server_tok_s"], t["tok_s_ratio"], lambda x: x >= t["tok_s_ratio"],
                       f"A/A: {f['ratios']['aa_tok_s']}"))

@@ -366,7 +366,7 @@ class Fp32Judge:
                     "return_token_ids": True, "skip_special_tokens": False})
                 r.raise_for_status()
                 choice = r.json()["choices"][0]
-                ids = [int(t) for t in choice.get("token_ids") or []]
+                ids = [int(t) for t in choice["token_ids"]]  # missing: a KeyError, not an empty answer
                 self._greedy[key] = [t for t in ids if t != 2]  # EOS ends it, as the engines do
             except (httpx.HTTPError, KeyError, ValueError, TypeError, IndexError):
                 self._greedy[key] = None
@@ -422,10 +422,11 @@ def run_jobs(run: RemoteRun, jobs: Sequence[Job], config: str, forms_of: Callabl
             tick()
 
 
-def judge_all(run: RemoteRun, judge: Fp32Judge) -> None:
+def judge_all(run: RemoteRun, judge: Fp32Judge, vocab: Any) -> None:
     """Every answer judged (symptoms + vLLM's likelihood; a scoring failure leaves it unjudged);
-    fp32's own answers marked (abnormal, garbage and reference answers); each guarded faulted
-    answer's continuation after its llama-server prefix compared with vLLM's greedy one."""
+    fp32's own answers marked (abnormal, garbage and reference answers; an answer whose ids were
+    re-tokenized from its text is compared by the bytes it spells); each guarded faulted answer's
+    continuation after its llama-server prefix compared with vLLM's greedy one."""
     from qladder.validate.garbage import same_answer
     from qladder.validate.replay import continuation_identical
 
@@ -439,7 +440,13 @@ def judge_all(run: RemoteRun, judge: Fp32Judge) -> None:
         o.judge(nll, score_failed=nll is None)
         if o.population == "abnormal" or o.garbage or o.prompt_id in refs:
             ref = judge.greedy(ids, n)
-            o.fp32_identical = None if ref is None else same_answer(o.token_ids, ref, cut=o.finish_reason == "length")
+            if ref is None:
+                o.fp32_identical = None
+            elif o.token_ids_source == "retokenized":
+                o.fp32_identical = vocab.detokenize_bytes(ref) == o.text.encode("utf-8") or same_answer(
+                    o.token_ids, vocab.tokenize(vocab.detokenize(ref), False), finish=o.finish_reason)
+            else:
+                o.fp32_identical = same_answer(o.token_ids, ref, finish=o.finish_reason)
         if o.config == "guarded" and o.fault is not None:
             k = 0
             while k < len(o.rungs) and o.rungs[k] == "llama-server":
@@ -515,7 +522,7 @@ def validate_remote(cfg: RemoteValidateConfig, out_dir: Path, show_progress: boo
         replay(run, normal_jobs, abnormal_jobs, forms_of, progress, vocab)
         progress.phase("judge (fp32 on vLLM)")
         t = time.perf_counter()
-        judge_all(run, Fp32Judge(vllm_url, model_id))
+        judge_all(run, Fp32Judge(vllm_url, model_id), vocab)
         run.times["judge_s"] = time.perf_counter() - t
         memory = {f"llama-server:{n}": tree_rss_mb(s.llama.proc.pid) for n, s in run.served.items()}
         memory |= {f"qladder-serve:{n}": tree_rss_mb(s.gateway.pid) for n, s in run.served.items() if s.gateway}

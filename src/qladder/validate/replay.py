@@ -163,8 +163,8 @@ class Guarded:
         ids: list[int] = []
         t0 = time.perf_counter()
         try:
-            ids, text, _ = self.q.prepare(p.prompt, params.max_tokens)
-            o.prompt, o.prompt_tokens = text, len(ids)
+            ids, text, reports = self.q.prepare(p.prompt, params.max_tokens)
+            o.prompt, o.prompt_tokens = reports[-1].text if reports else readable(text), len(ids)  # the sanitized text
             r = self.se.generate_sync(self.se.request(ids, params, request_id=f"{p.id}:{o.fault}:{o.round}",
                                                       faults=faults, prompt_text=text))
             _fill(o, r)
@@ -202,14 +202,6 @@ def continuation_identical(answer: Sequence[int], prefix: int, reference: Sequen
     answer to prompt + answer[:prefix], for the tokens left)? An answer that ended on a confirmed
     loop keeps one copy of its pattern, so it need only start the reference; one cut by max_tokens
     drops the tokens of a character it ended inside (at most 3)."""
-    rest = list(answer[prefix:])
-    if finish == "repetition":
-        return rest == list(reference[:len(rest)])
-    return same_ids(rest, reference, cut=finish == "length")
-
-
-def same_ids(answer: Sequence[int], reference: Sequence[int], cut: bool) -> bool:
-    """The same ids; for an answer cut by max_tokens, the reference may hold up to 3 more (the
-    tokens of the character the cut fell inside, which the answer drops)."""
-    n = len(answer)
-    return list(answer) == list(reference[:n]) and (len(reference) == n or (cut and len(reference) - n <= 3))
+    rest, n = list(answer[prefix:]), len(answer) - prefix
+    return rest == list(reference[:n]) and (len(reference) == n or finish == "repetition"
+                                            or (finish == "length" and len(reference) - n <= 3))

@@ -365,7 +365,7 @@ def references(run: Run, progress: Progress) -> None:
         if not o.ok or o.fallback or not ids:
             continue
         if o.population == "abnormal" or o.garbage or o.prompt_id in refs:
-            o.fp32_identical = same_answer(o.token_ids, ref(ids, c.max_tokens), cut=o.finish_reason == "length")
+            o.fp32_identical = same_answer(o.token_ids, ref(ids, c.max_tokens), finish=o.finish_reason)
         if o.config == "guarded" and o.fault is not None:
             k = 0
             while k < len(o.rungs) and o.rungs[k] == "int4":

@@ -199,6 +199,9 @@ def validate(
                          "... see qladder.validate.fault_models) or raw fault specs like nan@step=2 (repeatable; "
                          "a raw spec joins the test set).")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Override the answer length.")] = None,
+    rounds: Annotated[int | None, typer.Option(
+        "--rounds", min=1, help="Override the rounds of normal prompts (the pooled P99 verdict needs >= 500 "
+                                "requests per side, else it reads insufficient).")] = None,
     corpus: Annotated[Path | None, typer.Option(help="Folder with normal.jsonl and abnormal.jsonl.")] = None,
     standby_share: Annotated[float, typer.Option("--standby-share", help="Standby share of capacity.")] = 0.2,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
@@ -219,7 +222,7 @@ def validate(
 
     _quiet_libraries()
     if remote:
-        _validate_remote(quick, out, config, max_tokens, corpus, progress, check)
+        _validate_remote(quick, out, config, max_tokens, rounds, corpus, progress, check)
         return
     if config is not None:
         _fail("a CONFIG argument goes with --remote")
@@ -230,6 +233,8 @@ def validate(
                                         "standby_share": standby_share}
         if max_tokens is not None:
             overrides["max_tokens"] = max_tokens
+        if rounds is not None:
+            overrides["rounds"] = rounds
         cfg = ValidateConfig.quick_preset(**overrides) if quick else ValidateConfig(**overrides)  # type: ignore[arg-type]
         results = run_validate(cfg, out, show_progress=progress, log=lambda s: typer.echo(s, err=True))
     except QladderError as exc:
@@ -251,8 +256,8 @@ def _verdicts(results: dict[str, object], out: Path, check: bool) -> None:
         sys.exit(1)
 
 
-def _validate_remote(quick: bool, out: Path, config: Path | None, max_tokens: int | None, corpus: Path | None,
-                     progress: bool, check: bool) -> None:
+def _validate_remote(quick: bool, out: Path, config: Path | None, max_tokens: int | None, rounds: int | None,
+                     corpus: Path | None, progress: bool, check: bool) -> None:
     import dataclasses
 
     from qladder.validate.remote import load_remote_config, validate_remote
@@ -262,6 +267,8 @@ def _validate_remote(quick: bool, out: Path, config: Path | None, max_tokens: in
         overrides: dict[str, object] = {"corpus_dir": corpus}
         if max_tokens is not None:
             overrides["max_tokens"] = max_tokens
+        if rounds is not None:
+            overrides["rounds"] = rounds
         cfg = dataclasses.replace(cfg, **overrides)  # type: ignore[arg-type]
         if out == Path("qladder-validate"):
             out = Path("qladder-validate-remote")

@@ -524,6 +524,10 @@ def test_cli_rejects_a_malformed_fault_before_loading(tmp_path):
     res = CliRunner().invoke(app, ["validate", "--quick", "--out", str(tmp_path), "--faults", "boom@x=1"])
     assert res.exit_code == 2 and "unknown fault" in res.output
     assert not (tmp_path / "results.json").exists()
+    for mode in ([], ["--remote"]):  # a round count under 1 is refused as well, in either mode
+        res = CliRunner().invoke(app, ["validate", "--quick", *mode, "--out", str(tmp_path), "--rounds", "0"])
+        assert res.exit_code == 2 and "--rounds" in res.output, res.output
+    assert not (tmp_path / "results.json").exists()
 
 
 @pytest.mark.slow

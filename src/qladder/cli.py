@@ -230,17 +230,19 @@ def validate(
     try:
         by_name(faults or [])  # a malformed spec fails before any model loads
         overrides: dict[str, object] = {"fault_names": tuple(faults or ()), "corpus_dir": corpus,
-                                        "standby_share": standby_share}
-        if max_tokens is not None:
-            overrides["max_tokens"] = max_tokens
-        if rounds is not None:
-            overrides["rounds"] = rounds
+                                        "standby_share": standby_share,
+                                        **_given(max_tokens=max_tokens, rounds=rounds)}
         cfg = ValidateConfig.quick_preset(**overrides) if quick else ValidateConfig(**overrides)  # type: ignore[arg-type]
         results = run_validate(cfg, out, show_progress=progress, log=lambda s: typer.echo(s, err=True))
     except QladderError as exc:
         _fail(str(exc))
         return
     _verdicts(results, out, check)
+
+
+def _given(**options: object) -> dict[str, object]:
+    """The options the user gave (not None): they override a run config's defaults."""
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def _verdicts(results: dict[str, object], out: Path, check: bool) -> None:
@@ -264,11 +266,7 @@ def _validate_remote(quick: bool, out: Path, config: Path | None, max_tokens: in
 
     try:
         cfg = load_remote_config(config, quick)
-        overrides: dict[str, object] = {"corpus_dir": corpus}
-        if max_tokens is not None:
-            overrides["max_tokens"] = max_tokens
-        if rounds is not None:
-            overrides["rounds"] = rounds
+        overrides: dict[str, object] = {"corpus_dir": corpus, **_given(max_tokens=max_tokens, rounds=rounds)}
         cfg = dataclasses.replace(cfg, **overrides)  # type: ignore[arg-type]
         if out == Path("qladder-validate"):
             out = Path("qladder-validate-remote")

@@ -324,8 +324,9 @@ def bench_calibrate(
 def bench_serve(
     duration: Annotated[float, typer.Option(help="Seconds of the faulted load.")] = 120.0,
     window: Annotated[float, typer.Option(help="Seconds per server per round in the comparison.")] = 60.0,
-    rounds: Annotated[int, typer.Option(help="Interleaved rounds of the comparison (5 x 60 s: >= 500 "
-                                             "requests per server for the pooled P99).")] = 5,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds of the comparison (the pooled P99 verdict "
+                                             "needs >= 500 requests per server: ~300 from 5 x 60 s on a "
+                                             "2-core box, where --rounds 9 reaches it).")] = 5,
     clients: Annotated[int, typer.Option(help="Concurrent streaming clients.")] = 16,
     fault_share: Annotated[float, typer.Option("--fault-share")] = 0.1,
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 64,

@@ -11,12 +11,12 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from qladder.errors import ConfigError
+from qladder.errors import AllPoolsOpen, ConfigError
 from qladder.incidents import Incident, IncidentStore, IncidentWriter
 from qladder.server.breaker import Admit, Breaker, BreakerConfig, BreakerMode, BreakerState, Outcome, transition
 from qladder.server.metrics import ServerMetrics
 from qladder.server.quarantine import Quarantine, QuarantineConfig
-from qladder.server.router import AllPoolsOpen, Router
+from qladder.server.router import Router
 from qladder.server.serve import assemble
 from qladder.server.topology import PoolConfig, Topology, load_topology, parse_topology
 from qladder.serving.engine import EngineClient

@@ -11,6 +11,17 @@
 
 Recoverable errors (EngineError) are caught by the ladder and become hazards; the others are
 raised to the caller before any token is produced.
+
+The HTTP server's refusals are not QladderErrors (no `except QladderError` may swallow one: each
+maps to its own status in server/app.py), and neither is a remote stream that broke:
+
+    Unsupported                     a parameter qladder knows and does not serve (400)
+    UnknownModel                    the request names a model this server does not serve (404)
+    EngineFailed                    a bare configuration's engine failed mid-answer (502)
+    AllPoolsOpen                    every pool's breaker refuses new requests (503)
+    Draining                        the server is shutting down (503)
+    ClientDisconnected              the client went away before its answer (no response)
+    RemoteStreamError               a server answered, but not with a usable stream
 """
 
 from __future__ import annotations
@@ -50,3 +61,35 @@ class QueueFullError(QladderError):
 
 class EngineDeadError(QladderError, RuntimeError):
     """A serving engine's thread is gone: no request can be served by it any more (fatal)."""
+
+
+class Unsupported(Exception):
+    """A parameter qladder knows and does not serve (HTTP 400, code `unsupported_parameter`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class UnknownModel(Exception):
+    """The request names a model this server does not serve (HTTP 404)."""
+
+
+class EngineFailed(Exception):
+    """A bare configuration's engine failed mid-answer (no rung to defend it): HTTP 502."""
+
+
+class AllPoolsOpen(Exception):
+    """Every pool's breaker refuses new requests."""
+
+
+class Draining(Exception):
+    """The server is shutting down and admits nothing new (HTTP 503)."""
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+class RemoteStreamError(Exception):
+    """The server answered, but not with a usable stream (non-200, error or malformed chunk, cut short)."""

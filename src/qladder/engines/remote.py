@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import httpx
 
 from qladder.engines.llamacpp import LlamaVocab
-from qladder.errors import EngineError, TokenizerMismatchError
+from qladder.errors import EngineError, RemoteStreamError, TokenizerMismatchError
 from qladder.health.remote import RemoteToken
 from qladder.model import ModelInfo
 from qladder.sampling import SamplingParams
@@ -39,10 +39,6 @@ class RemoteEnd:
     """The server ended the answer: `length` when its token budget ran out, else EOS or a stop."""
 
     length: bool
-
-
-class RemoteStreamError(Exception):
-    """The server answered, but not with a usable stream (non-200, error or malformed chunk, cut short)."""
 
 
 class RemoteRung(Protocol):

@@ -19,7 +19,8 @@ from typing import Any
 
 import httpx
 
-from qladder.engines.remote import HttpRung, RemoteEnd, RemoteStreamError, check_stream_status
+from qladder.engines.remote import HttpRung, RemoteEnd, check_stream_status
+from qladder.errors import RemoteStreamError
 from qladder.health.remote import RemoteToken
 from qladder.model import ModelInfo
 from qladder.sampling import SamplingParams

@@ -23,12 +23,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qladder.errors import ConfigError, EngineDeadError, InputError, QueueFullError
+from qladder.errors import (
+    AllPoolsOpen,
+    ClientDisconnected,
+    ConfigError,
+    Draining,
+    EngineDeadError,
+    EngineFailed,
+    InputError,
+    QueueFullError,
+    UnknownModel,
+    Unsupported,
+)
 from qladder.server import openai_format as fmt
 from qladder.server.breaker import BreakerMode
-from qladder.server.gateway import Draining, EngineFailed, Gateway, UnknownModel
-from qladder.server.protocol import ChatCompletionRequest, CompletionRequest, Unsupported, error_body
-from qladder.server.router import AllPoolsOpen
+from qladder.server.gateway import Gateway
+from qladder.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 _log = logging.getLogger("qladder.server")
 
@@ -196,7 +206,7 @@ def create_app(gw: Gateway, api_keys: frozenset[str] = frozenset(), max_body_byt
                                      headers={**fmt.headers(served, None), "Cache-Control": "no-cache"})
         try:
             out, headers = await _until_disconnect(request, gw.complete(served, chat, agen))
-        except _Disconnected:
+        except ClientDisconnected:
             await agen.aclose()
             return Response(status_code=499)  # nobody reads it; counted as the client's disconnect
         except Exception as exc:
@@ -239,12 +249,8 @@ def create_app(gw: Gateway, api_keys: frozenset[str] = frozenset(), max_body_byt
     return app
 
 
-class _Disconnected(Exception):
-    pass
-
-
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Await `work`; if the client disconnects first, cancel it and raise _Disconnected."""
+    """Await `work`; if the client disconnects first, cancel it and raise ClientDisconnected."""
     task = asyncio.ensure_future(work)
 
     async def gone() -> None:
@@ -265,5 +271,5 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
-    raise _Disconnected
+    raise ClientDisconnected
 

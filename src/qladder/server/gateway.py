@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qladder.errors import InputError
+from qladder.errors import Draining, EngineFailed, InputError, UnknownModel, Unsupported
 from qladder.faults import Fault, parse_fault
 from qladder.incidents import prompt_hash
 from qladder.machine import Request
@@ -33,21 +33,13 @@ from qladder.sanitize import SanitizeResult
 from qladder.server import openai_format as fmt
 from qladder.server.breaker import Breaker
 from qladder.server.metrics import ServerMetrics
-from qladder.server.protocol import ChatCompletionRequest, CompletionRequest, Unsupported
+from qladder.server.protocol import ChatCompletionRequest, CompletionRequest
 from qladder.server.quarantine import Quarantine
 from qladder.server.router import Route, Router
 from qladder.serving.engine import AsyncEvents, EngineClient
 from qladder.types import Event, FinalEvent, FinishReason, GenerationResult, HazardEvent, TokenEvent
 
 ERROR_CHECKS = frozenset({"engine_error", "deadline"})  # the engine failed, not the numbers
-
-
-class UnknownModel(Exception):
-    """The request names a model this server does not serve (HTTP 404)."""
-
-
-class EngineFailed(Exception):
-    """A bare configuration's engine failed mid-answer (no rung to defend it): HTTP 502."""
 
 
 @dataclass(frozen=True)
@@ -260,10 +252,6 @@ class Gateway:
             yield "data: [DONE]\n\n"
         finally:
             await agen.aclose()
-
-
-class Draining(Exception):
-    """The server is shutting down and admits nothing new (HTTP 503)."""
 
 
 def _data(obj: dict[str, Any]) -> str:

@@ -13,15 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from qladder.errors import Unsupported
+
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
-
-
-class Unsupported(Exception):
-    """A parameter qladder knows and does not serve (HTTP 400, code `unsupported_parameter`)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 class _Model(BaseModel):

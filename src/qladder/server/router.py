@@ -22,13 +22,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from qladder.errors import AllPoolsOpen
 from qladder.server.breaker import Breaker
 from qladder.server.quarantine import Quarantine
 from qladder.server.topology import PoolConfig
-
-
-class AllPoolsOpen(Exception):
-    """Every pool's breaker refuses new requests."""
 
 
 @dataclass(frozen=True)

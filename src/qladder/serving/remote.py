@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from qladder.engines.remote import RemoteEnd, RemoteRung, RemoteStreamError
-from qladder.errors import EngineDeadError, QueueFullError
+from qladder.engines.remote import RemoteEnd, RemoteRung
+from qladder.errors import EngineDeadError, QueueFullError, RemoteStreamError
 from qladder.health.remote import RemoteToken, check_draft
 from qladder.machine import Action, Confirm, Done, MoveTo, RequestMachine, Verify
 from qladder.sampling import SamplingParams, TokenLogprob

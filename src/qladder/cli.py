@@ -92,11 +92,9 @@ def _generate(prompt: str, ladder: str, max_tokens: int, temperature: float, top
     from qladder.service import Qladder, parse_ladder
 
     rungs = parse_ladder(ladder)
-    from qladder.engines import RUNGS
+    from qladder.engines import check_rungs
 
-    for r in rungs:
-        if r not in RUNGS:
-            raise ConfigError(f"unknown rung {r!r}; choose from {', '.join(RUNGS)}")
+    check_rungs(rungs)
     if guard not in GUARD_PRESETS:
         raise ConfigError(f"unknown guard preset {guard!r}; choose from {', '.join(GUARD_PRESETS)}")
     if sanitize not in PRESETS:

@@ -61,16 +61,14 @@ def group_prompts(rows: Sequence[dict[str, Any]], limit: int) -> list[dict[str, 
 def replay_incidents(rows: Sequence[dict[str, Any]], rungs: Sequence[str], limit: int = 20,
                      with_faults: bool = False) -> dict[str, Any]:
     from qladder.config import Settings
-    from qladder.engines import RUNGS, load_engine
+    from qladder.engines import check_rungs, load_engine
     from qladder.faults import parse_fault
     from qladder.ladder import Ladder
     from qladder.machine import LadderConfig
     from qladder.model import inspect_model
     from qladder.sampling import SamplingParams
 
-    for r in rungs:
-        if r not in RUNGS:
-            raise ConfigError(f"unknown rung {r!r}; choose from {', '.join(RUNGS)}")
+    check_rungs(rungs)
     groups = group_prompts(rows, limit)
     settings = Settings.from_env()
     info = inspect_model(None, settings.cache_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from qladder.config import Settings
@@ -11,8 +12,15 @@ from qladder.model import ModelInfo, inspect_model
 
 RUNGS = ("int4", "w4a16", "fp32", "bf16")
 
-__all__ = ["RUNGS", "Engine", "Session", "StepOutput", "check_handoff", "instrument", "load_engine",
+__all__ = ["RUNGS", "Engine", "Session", "StepOutput", "check_handoff", "check_rungs", "instrument", "load_engine",
            "tokenizer_fingerprint"]
+
+
+def check_rungs(rungs: Sequence[str]) -> None:
+    """Raise ConfigError naming the first of `rungs` that is not a rung (before any model loads)."""
+    for r in rungs:
+        if r not in RUNGS:
+            raise ConfigError(f"unknown rung {r!r}; choose from {', '.join(RUNGS)}")
 
 
 def instrument(engine: Engine, activations: bool, row_stats: bool) -> None:
@@ -26,8 +34,7 @@ def load_engine(
     rung: str, model: ModelInfo | str | Path | None = None, settings: Settings | None = None
 ) -> Engine:
     """Load one rung on a GGUF (default: the embedded model). Raises ConfigError or ModelError."""
-    if rung not in RUNGS:
-        raise ConfigError(f"unknown rung {rung!r}; choose from {', '.join(RUNGS)}")
+    check_rungs([rung])
     s = settings or Settings.from_env()
     info = model if isinstance(model, ModelInfo) else inspect_model(model, s.cache_dir)
     # torch's intra-op pool, even when torch only runs the guard's reductions beside llama.cpp:

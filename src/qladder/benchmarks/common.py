@@ -1,39 +1,15 @@
-"""What every benchmark records: versions, CPU, threads, and a measured memory bandwidth."""
+"""What every benchmark records: versions, CPU (qladder.environment), threads, and a measured memory
+bandwidth."""
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 import time
-from importlib import metadata
 from typing import Any
 
 import numpy as np
 
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for pkg in ("qladder", "torch", "transformers", "llama-cpp-python", "gguf", "numpy"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = "absent"
-    return out
-
-
-def cpu() -> dict[str, Any]:
-    model = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"model": model, "logical_cores": os.cpu_count(), "machine": platform.machine(),
-            "system": platform.system()}
+from qladder.environment import cpu, versions
 
 
 def environment(threads: int) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from typing import Any
 
 import httpx
 
-from qladder.benchmarks.common import cpu, versions
+from qladder.environment import cpu, versions
 from qladder.peers.llama_server import LlamaServer
 from qladder.peers.process import free_port, stop, wait_ready
 from qladder.validate.outcome import Outcome

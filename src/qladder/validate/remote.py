@@ -610,7 +610,7 @@ def describe_servers(run: RemoteRun, vllm: Any, vllm_url: str) -> dict[str, Any]
 
 def header(run: RemoteRun, memory: dict[str, float | None], servers: dict[str, Any],
            incidents: dict[str, int | None]) -> dict[str, Any]:
-    from qladder.validate.environment import cpu, load_average, versions
+    from qladder.environment import cpu, load_average, versions
 
     mem_bare = memory.get("llama-server:clean")
     mem_guarded = (mem_bare or 0.0) + (memory.get("qladder-serve:clean") or 0.0) + (memory.get("vllm") or 0.0)

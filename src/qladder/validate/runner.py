@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from qladder.environment import load_average, peak_rss_mb, rss_mb, snapshot
 from qladder.model import user_prompt_ids
 from qladder.percentiles import mean
 from qladder.validate import queueing
 from qladder.validate.boundaries import LEVELS
 from qladder.validate.corpora import Prompt, load_corpora, subset
-from qladder.validate.environment import load_average, peak_rss_mb, rss_mb, snapshot
 from qladder.validate.fault_models import FAULT_SETS, FaultModel, assign, by_name
 from qladder.validate.outcome import Outcome
 from qladder.validate.replay import RUN, Bare, Guarded, greedy

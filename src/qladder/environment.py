@@ -1,4 +1,5 @@
-"""What every validation output records about the machine and the software it ran on."""
+"""What every validation run and benchmark records about the machine and the software it ran on:
+one `versions()` (with the commit of the qladder checkout that ran, when it is one) and one `cpu()`."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import importlib.metadata
 import os
 import platform
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,13 +17,34 @@ PACKAGES = ("qladder", "torch", "transformers", "llama_cpp_python", "gguf", "num
 
 
 def versions() -> dict[str, str | None]:
+    """Python's and each package's version (None: not installed), and `qladder_commit`."""
     out: dict[str, str | None] = {"python": sys.version.split()[0]}
     for name in PACKAGES:
         try:
             out[name] = importlib.metadata.version(name.replace("_", "-"))
         except importlib.metadata.PackageNotFoundError:
             out[name] = None
+    out["qladder_commit"] = source_commit()
     return out
+
+
+def source_commit() -> str | None:
+    """The git commit of the checkout qladder runs from (`-dirty` when tracked files differ from it),
+    or None when it is not run from a git checkout (an installed wheel)."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(["git", "-C", str(here), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if not commit:
+        return None
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".")
+    return f"{commit}-dirty" if dirty else commit
 
 
 def cpu() -> dict[str, Any]:

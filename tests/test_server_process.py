@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import sqlite3
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,34 +13,23 @@ from pathlib import Path
 import httpx
 import pytest
 
-from qladder.peers.process import free_port, wait_ready
+from qladder.peers.process import start_qladder_serve
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 
 
 def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
     cfg = tmp_path / "qladder.toml"
     cfg.write_text("[server]\ndrain_timeout_s = 30\n")
-    qladder = Path(sys.executable).with_name("qladder")
-    proc = subprocess.Popen([str(qladder), "serve", "--config", str(cfg), "--port", str(port), "--log-level",
-                             "warning", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    why = wait_ready(proc, f"{base}/readyz", 120, poll_s=0.2)
-    if why is not None:
-        proc.kill()
-        proc.wait(30)
-        raise AssertionError(f"the server {why}: {proc.stderr.read().decode() if proc.stderr else ''}")
-    return proc, base
+    return start_qladder_serve(cfg, tmp_path / "serve.log", ["--log-level", "warning", *args],
+                               ready_timeout_s=120)
 
 
 def _end(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait(30)
-    if proc.stderr is not None:
-        proc.stderr.close()
 
 
 def test_sigterm_stops_admitting_drains_the_open_stream_and_exits_0(tmp_path):

@@ -37,7 +37,6 @@ import json
 import random
 import sqlite3
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ import httpx
 
 from qladder.environment import cpu, versions
 from qladder.peers.llama_server import LlamaServer
-from qladder.peers.process import free_port, stop, wait_ready
+from qladder.peers.process import free_port, start_qladder_serve, stop
 from qladder.validate.outcome import Outcome
 
 RUN = "bench-serve"
@@ -73,14 +72,8 @@ class QladderProcess:
     def start(self, ready_timeout_s: float = 180.0) -> QladderProcess:
         cfg = self.workdir / f"{self.name}.toml"
         cfg.write_text(self.config)
-        log = open(self.workdir / f"{self.name}.log", "wb")  # noqa: SIM115 (the child owns it)
-        exe = Path(sys.executable).with_name("qladder")
-        self.proc = subprocess.Popen([str(exe), "serve", "--config", str(cfg), "--port", str(self.port),
-                                      "--log-level", "warning", *self.args], stdout=log, stderr=log)
-        log.close()
-        why = wait_ready(self.proc, f"{self.base_url}/readyz", ready_timeout_s, poll_s=0.2)
-        if why is not None:
-            raise RuntimeError(f"{self.name} {why}: {(self.workdir / f'{self.name}.log').read_text()}")
+        self.proc, _ = start_qladder_serve(cfg, self.workdir / f"{self.name}.log",
+                                           ["--log-level", "warning", *self.args], self.port, ready_timeout_s)
         return self
 
     def stop(self) -> None:

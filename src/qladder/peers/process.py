@@ -1,5 +1,6 @@
-"""Child server processes (llama-server, `qladder serve` in the benchmark and tests): a free port,
-waiting until the server answers, and stopping it."""
+"""Child server processes (llama-server, `qladder serve` in the benchmark, the remote validation and
+the tests): a free port, waiting until the server answers, stopping it, and the one way
+`qladder serve` is started as a child."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import httpx
+
+from qladder.errors import EngineError
 
 
 def free_port() -> int:
@@ -60,3 +66,21 @@ def stop(proc: subprocess.Popen[bytes] | None, timeout_s: float = 10.0, group: b
     if group:  # the leader is gone; its children may linger
         time.sleep(0.2)
         send(signal.SIGKILL)
+
+
+def start_qladder_serve(config: Path, log: Path, args: Sequence[str] = (), port: int | None = None,
+                        ready_timeout_s: float = 180.0) -> tuple[subprocess.Popen[bytes], str]:
+    """`qladder serve --config CONFIG` as a child of this Python on 127.0.0.1 (a free port unless
+    given), its stdout and stderr in `log`; returns it and its base URL once /readyz answers 200.
+    Raises EngineError (with the log's tail) when it exits or is not ready in time; it is stopped."""
+    port = port or free_port()
+    with open(log, "wb") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "qladder", "serve", "--config", str(config), "--host",
+                                 "127.0.0.1", "--port", str(port), *args], stdout=out, stderr=out)
+    base = f"http://127.0.0.1:{port}"
+    why = wait_ready(proc, f"{base}/readyz", ready_timeout_s, poll_s=0.2)
+    if why is not None:
+        stop(proc, timeout_s=30.0)
+        tail = log.read_text(encoding="utf-8", errors="replace")[-4000:]
+        raise EngineError(f"qladder serve ({config}) {why}; its log ({log}) ends:\n{tail}")
+    return proc, base

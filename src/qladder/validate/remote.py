@@ -175,23 +175,12 @@ def _gateway_toml(llama_url: str, vllm_url: str, c: RemoteValidateConfig, incide
 
 
 def start_gateway(s: Served, vllm_url: str, c: RemoteValidateConfig, work: Path) -> None:
-    import subprocess
-    import sys
-
-    from qladder.errors import EngineError
-    from qladder.peers.process import free_port, wait_ready
+    from qladder.peers.process import start_qladder_serve
 
     cfg = work / f"serve-{s.name}.toml"
     s.incidents = work / f"incidents-{s.name}.sqlite3"
     cfg.write_text(_gateway_toml(s.llama.base_url, vllm_url, c, s.incidents), encoding="utf-8")
-    port = free_port()
-    with open(work / f"serve-{s.name}.log", "wb") as log:  # the child keeps its own descriptor
-        s.gateway = subprocess.Popen([sys.executable, "-m", "qladder", "serve", "--config", str(cfg), "--host",
-                                      "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=log)
-    s.gateway_url = f"http://127.0.0.1:{port}"
-    why = wait_ready(s.gateway, f"{s.gateway_url}/readyz", 180, poll_s=0.2)
-    if why is not None:
-        raise EngineError(f"qladder serve for {s.name} {why}; see {work / f'serve-{s.name}.log'}")
+    s.gateway, s.gateway_url = start_qladder_serve(cfg, work / f"serve-{s.name}.log")
 
 
 # -- the prompts as each configuration sends them --------------------------------------------------

@@ -43,6 +43,16 @@ class InputError(QladderError, ValueError):
     """The request cannot be served as given."""
 
 
+def check_prompt_fits(n_tokens: int, n_ctx: int) -> None:
+    """The one context-fit check of a prompt (the ladder, the serving engine and both local engines
+    call it): InputError when it is empty or leaves no room for a token in a context of n_ctx."""
+    if n_tokens <= 0:
+        raise InputError("empty prompt")
+    if n_tokens >= n_ctx:
+        raise InputError(f"prompt of {n_tokens} tokens does not fit the context of {n_ctx}; truncate it "
+                         f"(qladder.sanitize) or raise n_ctx")
+
+
 class TokenizerMismatchError(QladderError):
     """Two engines do not share a tokenizer, so token ids cannot be handed over."""
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 from qladder.engines import instrument
 from qladder.engines.base import Engine, Session, check_handoff
-from qladder.errors import EngineError, InputError
+from qladder.errors import EngineError, check_prompt_fits
 from qladder.faults import Fault, engine_faults
 from qladder.health.guard import StepGuard
 from qladder.incidents import IncidentSink
@@ -73,11 +73,7 @@ class Ladder:
                  request_id: str | None = None) -> GenerationResult:
         """Generate an answer. Never raises for a failing engine: hazards end in a handoff or in
         the safe fallback answer. Raises InputError only for a prompt no rung can take."""
-        if not prompt_ids:
-            raise InputError("empty prompt")
-        if len(prompt_ids) >= self.engines[0].n_ctx:
-            raise InputError(f"prompt of {len(prompt_ids)} tokens does not fit the context of "
-                             f"{self.engines[0].n_ctx}; truncate it (qladder.sanitize) or raise n_ctx")
+        check_prompt_fits(len(prompt_ids), self.engines[0].n_ctx)
         self._set_monitors()
         req = Request(request_id or uuid.uuid4().hex[:12], tuple(prompt_ids), params or SamplingParams(),
                       tuple(faults), prompt_text)

@@ -23,7 +23,7 @@ import torch
 
 from qladder.engines.base import StepOutput, TokenIdsMixin, tokenizer_fingerprint
 from qladder.engines.monitor import ActivationMonitor
-from qladder.errors import EngineError, InputError, ModelError
+from qladder.errors import EngineError, InputError, ModelError, check_prompt_fits
 from qladder.model import ModelInfo
 
 # Bytes that ordinary text never produces alone: UTF-8 lead and continuation bytes (>= 0x80, left
@@ -283,10 +283,7 @@ class LlamaCppSession(TokenIdsMixin):
         self._fresh = True
 
     def _prefill(self, ids: list[int]) -> None:
-        if not ids:
-            raise InputError("empty prompt")
-        if len(ids) >= self._e.n_ctx:
-            raise InputError(f"prompt of {len(ids)} tokens does not fit the context of {self._e.n_ctx}")
+        check_prompt_fits(len(ids), self._e.n_ctx)
         self._decode(ids)
 
     def logits(self) -> torch.Tensor:

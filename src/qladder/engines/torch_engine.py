@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from qladder.engines.base import StepOutput, TokenIdsMixin, byte_level_table, tokenizer_fingerprint
-from qladder.errors import EngineError, InputError, ModelError
+from qladder.errors import EngineError, InputError, ModelError, check_prompt_fits
 from qladder.model import ModelInfo
 
 DTYPES = {"fp32": torch.float32, "w4a16": torch.float16, "bf16": torch.bfloat16}
@@ -225,10 +225,7 @@ class TorchSession(TokenIdsMixin):
     def __init__(self, engine: TorchEngine, prompt_ids: Sequence[int]):
         from transformers import DynamicCache
 
-        if not prompt_ids:
-            raise InputError("empty prompt")
-        if len(prompt_ids) >= engine.n_ctx:
-            raise InputError(f"prompt of {len(prompt_ids)} tokens does not fit the context of {engine.n_ctx}")
+        check_prompt_fits(len(prompt_ids), engine.n_ctx)
         self._engine = engine
         self._cache: DynamicCache | None = DynamicCache(config=engine.model.config)
         self._ids: list[int] = []

@@ -33,7 +33,7 @@ from qladder.engines.llamacpp_batch import BatchedLlamaCpp
 from qladder.engines.remote import RemoteRung
 from qladder.engines.remote_llama import LlamaServerRung
 from qladder.engines.remote_vllm import VllmRung
-from qladder.errors import ConfigError, InputError
+from qladder.errors import ConfigError, InputError, check_prompt_fits
 from qladder.faults import Fault
 from qladder.health.guard import StepGuard
 from qladder.incidents import IncidentSink
@@ -230,9 +230,7 @@ class ServingEngine:
             raise InputError("empty prompt")
         if not 0 <= r.start_rung < len(self.rungs):
             raise ConfigError(f"start_rung {r.start_rung} is not a rung of {self.rungs}")
-        if len(r.prompt_ids) >= min(self.n_ctx):
-            raise InputError(f"prompt of {len(r.prompt_ids)} tokens does not fit the context of "
-                             f"{min(self.n_ctx)}; truncate it (qladder.sanitize) or raise n_ctx")
+        check_prompt_fits(len(r.prompt_ids), min(self.n_ctx))
         if any(not 0 <= t < self.int4.n_vocab for t in r.prompt_ids):
             raise InputError(f"token ids must be in [0, {self.int4.n_vocab})")
         gains = [f for f in r.faults if f.kind == "gain"]

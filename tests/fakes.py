@@ -14,7 +14,7 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 
-from qladder.errors import ConfigError, InputError, QueueFullError
+from qladder.errors import ConfigError, QueueFullError, check_prompt_fits
 from qladder.faults import Fault
 from qladder.machine import LadderConfig, Request
 from qladder.sampling import SamplingParams
@@ -75,8 +75,7 @@ class FakeClient:
     def generate(self, r: Request) -> AsyncEvents:
         if r.faults and not self.allow_faults:
             raise ConfigError("fault injection is disabled on this engine")
-        if not r.prompt_ids or len(r.prompt_ids) >= self.n_ctx[0]:
-            raise InputError("the prompt does not fit")
+        check_prompt_fits(len(r.prompt_ids), min(self.n_ctx))
         with self._lock:
             if len(self.live) >= self.max_live:
                 raise QueueFullError("the fake's queue is full", retry_after_s=2.0)

@@ -14,11 +14,11 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 
+from qladder.client import AsyncEvents, Request
 from qladder.errors import ConfigError, QueueFullError, check_prompt_fits
 from qladder.faults import Fault
-from qladder.machine import LadderConfig, Request
+from qladder.machine import LadderConfig
 from qladder.sampling import SamplingParams
-from qladder.serving.engine import AsyncEvents
 from qladder.types import (
     Event,
     FinalEvent,

@@ -291,8 +291,9 @@ def test_remote_guard_sees_a_diffused_distribution_only_where_a_higher_rung_can_
 
 
 def test_a_remote_rung_holds_a_window_back_and_a_diffused_one_is_rolled_back_whole():
+    from qladder.client import Request
     from qladder.health.remote import RemoteToken
-    from qladder.machine import LadderConfig, MoveTo, Request, RequestMachine
+    from qladder.machine import LadderConfig, MoveTo, RequestMachine
 
     events = []
     cfg = LadderConfig(guard=GuardConfig(diffuse_window=4, diffuse_logprob=-2.0))
@@ -330,7 +331,8 @@ def test_check_draft_refuses_the_first_token_the_standby_finds_far_less_likely()
 
 
 def _draft_machine(max_tokens: int = 16):
-    from qladder.machine import LadderConfig, Request, RequestMachine
+    from qladder.client import Request
+    from qladder.machine import LadderConfig, RequestMachine
     from qladder.sampling import SamplingParams
 
     events = []

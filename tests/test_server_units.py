@@ -11,6 +11,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
+from qladder.client import EngineClient
 from qladder.errors import AllPoolsOpen, ConfigError
 from qladder.incidents import Incident, IncidentStore, IncidentWriter
 from qladder.server.breaker import Admit, Breaker, BreakerConfig, BreakerMode, BreakerState, Outcome, transition
@@ -19,7 +20,6 @@ from qladder.server.quarantine import Quarantine, QuarantineConfig
 from qladder.server.router import Router
 from qladder.server.serve import assemble
 from qladder.server.topology import PoolConfig, Topology, load_topology, parse_topology
-from qladder.serving.engine import EngineClient
 from qladder.types import FinalEvent, Hazard
 
 from .fakes import FakeClient

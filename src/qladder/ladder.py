@@ -26,13 +26,14 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
+from qladder.client import Request
 from qladder.engines import instrument
 from qladder.engines.base import Engine, Session, check_handoff
 from qladder.errors import EngineError, check_prompt_fits
 from qladder.faults import Fault, engine_faults
 from qladder.health.guard import StepGuard
 from qladder.incidents import IncidentSink
-from qladder.machine import Action, Continue, Done, LadderConfig, MoveTo, Request, RequestMachine, Verify
+from qladder.machine import Action, Continue, Done, LadderConfig, MoveTo, RequestMachine, Verify
 from qladder.model import ModelInfo
 from qladder.sampling import SamplingParams
 from qladder.shadow import WarmShadow

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qladder.client import Request
 from qladder.errors import EngineError
 from qladder.faults import Fault, fault_row, stall_due
 from qladder.health.guard import GUARD_PRESETS, GuardConfig, StepGuard
@@ -34,7 +35,7 @@ from qladder.health.repetition import loop_start
 from qladder.incidents import Incident, IncidentSink, prompt_hash
 from qladder.policy import Handoff as HandoffAction
 from qladder.policy import LadderPolicy, Stop
-from qladder.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
+from qladder.sampling import Sampler, TokenLogprob, token_logprob
 from qladder.stream import TextStream, TokenBytes
 from qladder.types import (
     FALLBACK_TEXT,
@@ -59,20 +60,6 @@ class LadderConfig:
     warm_shadow: bool = False
     shadow_sync_every: int = 16
     record_incidents: bool = True  # a bare configuration keeps no incident records
-
-
-@dataclass(frozen=True)
-class Request:
-    """What a client submits: token ids (already sanitized and templated) and how to sample."""
-
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    faults: tuple[Fault, ...] = ()  # test machinery: only where the operator allowed faults
-    prompt_text: str | None = None
-    ladder: LadderConfig | None = None  # operator-only override of the engine's guard and policy
-    start_rung: int = 0  # a router's choice: 1.. starts on the standby (a quarantined prompt, an open breaker)
-    flagged: bool = False  # the input defence changed the prompt: its answer's first tokens are checked
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from qladder.client import AsyncEvents, EngineClient, Request
 from qladder.errors import Draining, EngineFailed, InputError, UnknownModel, Unsupported
 from qladder.faults import Fault, parse_fault
 from qladder.incidents import prompt_hash
-from qladder.machine import Request
 from qladder.model import Message
 from qladder.prepare import Preparer
 from qladder.sampling import SamplingParams
@@ -36,7 +36,6 @@ from qladder.server.metrics import ServerMetrics
 from qladder.server.protocol import ChatCompletionRequest, CompletionRequest
 from qladder.server.quarantine import Quarantine
 from qladder.server.router import Route, Router
-from qladder.serving.engine import AsyncEvents, EngineClient
 from qladder.types import Event, FinalEvent, FinishReason, GenerationResult, HazardEvent, TokenEvent
 
 ERROR_CHECKS = frozenset({"engine_error", "deadline"})  # the engine failed, not the numbers

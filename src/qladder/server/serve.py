@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qladder.client import EngineClient
 from qladder.config import Settings
 from qladder.engines.llamacpp import LlamaVocab
 from qladder.health.guard import GUARD_PRESETS
@@ -32,7 +33,7 @@ from qladder.server.metrics import ServerMetrics
 from qladder.server.quarantine import Quarantine
 from qladder.server.router import Router
 from qladder.server.topology import Topology
-from qladder.serving.engine import EngineClient, ServingConfig, ServingEngine
+from qladder.serving.engine import ServingConfig, ServingEngine
 from qladder.serving.remote import RemoteConfig
 from qladder.serving.scheduler import SchedulerConfig
 

@@ -1,12 +1,12 @@
-"""The serving engine and the one client interface the CLI and the HTTP server depend on.
+"""The serving engine: the in-process implementation of the client interface (qladder.client).
 
     client = ServingEngine(ServingConfig(slots=8))        loads int4 (batched) + the standby
     async for event in client.generate(request): ...       TokenEvent* (HazardEvent|HandoffEvent)* FinalEvent
     client.abort(request_id)                               frees the slot at the next step
     result = client.generate_sync(request)                 the same, blocking (the CLI)
 
-`EngineClient` is the protocol (the shape of vLLM's `EngineClient`: generate as an async iterator,
-abort by id); `ServingEngine` implements it in-process over the INT4 scheduler and the standby
+`qladder.client.EngineClient` is the protocol (the shape of vLLM's `EngineClient`: generate as an
+async iterator, abort by id); `ServingEngine` implements it in-process over the INT4 scheduler and the standby
 pool. A generator that is closed before its final event (a client that went away) aborts its
 request, so a disconnected client never keeps decoding.
 
@@ -25,8 +25,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol, runtime_checkable
 
+from qladder.client import AsyncEvents, Request
 from qladder.config import Settings
 from qladder.engines.base import Engine, check_handoff
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp
@@ -37,7 +37,7 @@ from qladder.errors import ConfigError, InputError, check_prompt_fits
 from qladder.faults import Fault
 from qladder.health.guard import StepGuard
 from qladder.incidents import IncidentSink
-from qladder.machine import LadderConfig, MoveTo, Request, RequestMachine
+from qladder.machine import LadderConfig, MoveTo, RequestMachine
 from qladder.model import ModelInfo, inspect_model, user_prompt_ids
 from qladder.sampling import SamplingParams
 from qladder.serving.aborts import AbortRegistry
@@ -48,43 +48,6 @@ from qladder.serving.standby import StandbyPool
 from qladder.types import Event, FinalEvent, GenerationResult
 
 _log = logging.getLogger("qladder.serving")
-
-
-@runtime_checkable
-class EngineClient(Protocol):
-    """What a front end (CLI, HTTP server) needs from the serving engine, and nothing more."""
-
-    rungs: list[str]  # the ladder, rung 0 first (request.start_rung indexes it)
-    n_ctx: list[int]  # each rung's context, in tokens
-
-    def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
-                request_id: str | None = None, faults: Sequence[Fault] = (), prompt_text: str | None = None,
-                ladder: LadderConfig | None = None, start_rung: int = 0, flagged: bool = False) -> Request:
-        """A Request for this engine; nothing is submitted yet."""
-        ...
-
-    def add_observer(self, observe: Callable[[Event], None]) -> None:
-        """Call `observe` with every event of every request (on a serving thread; before the first
-        submit), whether or not the request's client still listens."""
-        ...
-
-    def stats(self) -> dict[str, object]:
-        """Pool state for metrics: slots, slots_in_use, queue_depth, standby_depth, ..."""
-        ...
-
-    def generate(self, request: Request) -> AsyncEvents:
-        """Submit the request now (QueueFullError, InputError, ConfigError raised here) and return
-        its events, ending with its FinalEvent; `aclose()` before that aborts it."""
-        ...
-
-    def abort(self, request_id: str) -> bool:
-        """Stop a request; its slot is freed at the next scheduler step. False if not in flight."""
-        ...
-
-    @property
-    def ready(self) -> bool:
-        """Engines loaded and the INT4 pool healthy."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -112,32 +75,6 @@ def template_prefix(info: ModelInfo, tokenize: Callable[[str, bool], list[int]])
     b = user_prompt_ids(info.chat_template, "b", tokenize)
     n = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     return a[:n]
-
-
-class AsyncEvents:
-    """One request's events on the caller's event loop, ending with its FinalEvent. Closing it
-    early (`aclose`, as `async for` does not) aborts the request: its slot frees at the next step."""
-
-    def __init__(self, request_id: str, q: asyncio.Queue[Event], abort: Callable[[str], bool]):
-        self.request_id = request_id
-        self._q = q
-        self._abort = abort
-        self._finished = False
-
-    def __aiter__(self) -> AsyncEvents:
-        return self
-
-    async def __anext__(self) -> Event:
-        if self._finished:
-            raise StopAsyncIteration
-        ev = await self._q.get()
-        self._finished = isinstance(ev, FinalEvent)
-        return ev
-
-    async def aclose(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self._abort(self.request_id)
 
 
 class ServingEngine:

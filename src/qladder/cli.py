@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from qladder.errors import ConfigError, QladderError
+from qladder.types import DEFAULT_MAX_TOKENS
 
 if TYPE_CHECKING:
     from qladder.config import Settings
@@ -46,7 +47,7 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="The user prompt; '-' reads it from standard input.")],
     rung: Annotated[str | None, typer.Option(help="Run one rung alone: int4, w4a16, fp32 or bf16.")] = None,
     ladder: Annotated[str, typer.Option(help="Rungs in order, e.g. int4,fp32 or int4,w4a16,fp32.")] = "int4",
-    max_tokens: Annotated[int, typer.Option("--max-tokens")] = 128,
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = DEFAULT_MAX_TOKENS,
     temperature: float = 0.0,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k")] = 0,

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 import torch
 
 from qladder.errors import ConfigError
+from qladder.types import DEFAULT_MAX_TOKENS
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off

@@ -11,6 +11,12 @@ if TYPE_CHECKING:
     from qladder.sampling import TokenLogprob
 
 
+# The one default answer length: the library's SamplingParams, `qladder generate`, and the server's
+# `default_max_tokens` (a request that names none). A legacy completion without max_tokens keeps
+# OpenAI's own default (server/protocol.py), as OpenAI-compatible clients expect.
+DEFAULT_MAX_TOKENS = 512
+
+
 class FinishReason(StrEnum):
     STOP = "stop"  # end-of-sequence token or a stop string
     LENGTH = "length"  # max_tokens or the context was reached

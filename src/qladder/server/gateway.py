@@ -36,7 +36,7 @@ from qladder.server.metrics import ServerMetrics
 from qladder.server.protocol import ChatCompletionRequest, CompletionRequest
 from qladder.server.quarantine import Quarantine
 from qladder.server.router import Route, Router
-from qladder.types import Event, FinalEvent, FinishReason, GenerationResult, HazardEvent, TokenEvent
+from qladder.types import DEFAULT_MAX_TOKENS, Event, FinalEvent, FinishReason, GenerationResult, HazardEvent, TokenEvent
 
 ERROR_CHECKS = frozenset({"engine_error", "deadline"})  # the engine failed, not the numbers
 
@@ -54,7 +54,7 @@ class Prepared:
 class Gateway:
     def __init__(self, client: EngineClient, preparer: Preparer, token_bytes: Callable[[Sequence[int]], bytes],
                  n_vocab: int, model_name: str, router: Router, breakers: dict[str, Breaker], quarantine: Quarantine,
-                 metrics: ServerMetrics, default_max_tokens: int = 512, allow_faults: bool = False,
+                 metrics: ServerMetrics, default_max_tokens: int = DEFAULT_MAX_TOKENS, allow_faults: bool = False,
                  standby_sessions: int = 0, control_ids: frozenset[int] = frozenset()):
         self.client = client
         self.preparer = preparer

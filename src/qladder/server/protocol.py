@@ -15,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from qladder.errors import Unsupported
 
+# OpenAI's documented default for a legacy completion that names no max_tokens (vLLM keeps it too);
+# chat completions without one get the server's default_max_tokens (qladder.types.DEFAULT_MAX_TOKENS).
+OPENAI_COMPLETIONS_MAX_TOKENS = 16
+
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
@@ -124,7 +128,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(default=OPENAI_COMPLETIONS_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None

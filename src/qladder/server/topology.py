@@ -69,6 +69,7 @@ from typing import Any
 from qladder.errors import ConfigError
 from qladder.server.breaker import BreakerConfig
 from qladder.server.quarantine import QuarantineConfig
+from qladder.types import DEFAULT_MAX_TOKENS
 
 INT4_RUNGS = ("int4", "llama-server")  # in-process, or a remote llama.cpp server (`url`)
 FULL_RUNGS = ("fp32", "bf16", "w4a16", "vllm")  # in-process torch, or a remote vLLM server (`url`)
@@ -96,7 +97,7 @@ class PoolConfig:
 class ServerSettings:
     model_name: str = "smollm2-135m-instruct"
     max_body_bytes: int = 1 << 20
-    default_max_tokens: int = 512
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     drain_timeout_s: float = 30.0
     incidents: str = ""
     redact: bool = False

@@ -123,5 +123,10 @@ def test_help_lists_commands():
     assert p.returncode == 0 and b"generate" in p.stdout and b"bench" in p.stdout
 
 
-def test_module_entry_point_exists():
-    assert (Path(__file__).parents[1] / "src" / "qladder" / "__main__.py").is_file()
+def test_console_script_and_module_entry_point_are_the_same_command():
+    """`qladder` (the installed script) and `python -m qladder` (every test here) run one app."""
+    script = Path(sys.executable).with_name("qladder")
+    assert script.is_file(), f"no console script beside {sys.executable}: is the package installed?"
+    a = subprocess.run([str(script), "--help"], capture_output=True, timeout=300)
+    b = run("--help")
+    assert a.returncode == b.returncode == 0 and a.stdout == b.stdout and b"validate" in a.stdout

@@ -53,14 +53,18 @@ def test_flat_rows_are_caught(row):
     assert h is not None and h.check == "flat" and h.value is not None and h.value < h.threshold
 
 
-def test_flat_threshold_is_relative_to_the_vocabulary():
-    # The write-up's `max_prob < 1e-7` can never fire at V = 49,152: uniform is 2e-5.
-    assert 1.0 / V > 1e-7
-    # Our bound: a gap under ln(64) means every probability is under 64 / V.
-    row = torch.zeros(V)
-    row[0] = math.log(64.0) * 0.99  # a single token slightly above the rest: still diffuse
-    assert torch.softmax(row, -1).max() < 64.0 / V
-    assert StepGuard().check(row, [], "int4").check == "flat"
+@pytest.mark.parametrize("n", [1_000, V])
+def test_flat_threshold_is_relative_to_the_vocabulary(n):
+    """The bound is on the top probability against uniform (64 / V), not an absolute probability
+    (the write-up's `max_prob < 1e-7` can never fire at V = 49,152, where uniform is 2e-5): one
+    token a little under ln(64) above the rest is flat at any V, a little over is not."""
+    row = torch.zeros(n)
+    row[0] = math.log(64.0) * 0.99
+    assert torch.softmax(row, -1).max() < 64.0 / n
+    h = StepGuard().check(row, [], "int4")
+    assert h is not None and h.check == "flat"
+    row[0] = math.log(64.0) * 1.01
+    assert StepGuard().check(row, [], "int4") is None
 
 
 def test_activation_headroom_fires_on_the_first_layer_over_the_limit():

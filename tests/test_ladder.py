@@ -144,8 +144,7 @@ def test_nan_fault_hands_off_and_continues_as_fp32_would(k):
     # Nothing from step k was emitted: the rest is what fp32 generates fed the same prefix.
     prefix = r.token_ids[:k]
     rest = _greedy_from(fp32, prompt + prefix, 16 - k, fp32.eos_ids)
-    assert r.token_ids[k:] == rest
-    assert all(math.isfinite(float(t)) for t in r.token_ids)
+    assert rest and r.token_ids[k:] == rest  # a continuation to compare, not an empty tail
 
 
 @pytest.mark.parametrize("spec,check", [
@@ -247,7 +246,9 @@ def test_warm_shadow_handoff_matches_cold():
         prompt, SamplingParams(max_tokens=12), faults=fault)
     assert warm.handoffs[0].warm and not cold.handoffs[0].warm
     assert warm.handoffs[0].caught_up_tokens < cold.handoffs[0].caught_up_tokens
-    assert warm.token_ids[:6] == cold.token_ids[:6]
+    # The warm session continues the same answer the cold open does, after the handoff too.
+    assert len(cold.token_ids) > 6 and warm.token_ids == cold.token_ids
+    assert warm.token_rungs == cold.token_rungs and warm.token_rungs[6:] == ["fp32"] * (len(cold.token_ids) - 6)
 
 
 

@@ -65,25 +65,68 @@ def test_render_chat_keeps_user_content_apart():
         render_chat(tpl, [{"role": "user"}])
 
 
+def _shadow_engine() -> ScriptedEngine:
+    return ScriptedEngine(lambda ids: torch.arange(5, dtype=torch.float32) * (len(ids) % 3 + 1), 5)
+
+
 def test_warm_shadow_catches_up_and_matches_a_direct_open():
-    eng = ScriptedEngine(lambda ids: torch.arange(5, dtype=torch.float32) * (len(ids) % 3 + 1), 5)
+    """A worker that keeps up holds all but the tail since the last batch: at sync_every=2,
+    contexts of 4..8 ids submit batches at 5 and 7, so the handoff catches up one id."""
+    eng = _shadow_engine()
+    shadow = WarmShadow(eng, [1, 2, 3], sync_every=2)
+    ctx = [1, 2, 3]
+    for t in [4, 0, 1, 2, 3]:
+        assert shadow.ready(timeout=30.0), "the shadow's worker did not finish its batch in 30 s"
+        ctx.append(t)
+        shadow.feed(ctx)
+    s, caught = shadow.take(ctx)
+    assert s.token_ids == ctx and caught == 1
+    assert torch.equal(s.logits(), eng.open(ctx).logits())
+
+
+def test_warm_shadow_behind_its_worker_catches_up_the_whole_tail():
+    """A batch is never queued behind a busy worker: while the prefill is held, no feed submits,
+    and the handoff catches up every accepted id, still equal to a direct open."""
+    release = threading.Event()
+
+    class HeldOpen(ScriptedEngine):
+        def open(self, prompt_ids):
+            assert release.wait(30.0), "the test never released the prefill"
+            return super().open(prompt_ids)
+
+    eng = HeldOpen(lambda ids: torch.arange(5, dtype=torch.float32) * (len(ids) % 3 + 1), 5)
     shadow = WarmShadow(eng, [1, 2, 3], sync_every=2)
     ctx = [1, 2, 3]
     for t in [4, 0, 1, 2, 3]:
         ctx.append(t)
         shadow.feed(ctx)
+    assert not shadow.ready(timeout=0.0)
+    release.set()
     s, caught = shadow.take(ctx)
-    assert s.token_ids == ctx and caught <= 5
-    assert torch.equal(s.logits(), eng.open(ctx).logits())
+    assert s.token_ids == ctx and caught == 5
+    assert torch.equal(s.logits(), _shadow_engine().open(ctx).logits())
 
 
 def test_public_api_is_complete():
-    for name in qladder.__all__:
-        assert getattr(qladder, name) is not None
-    expected = {"Ladder", "LadderConfig", "LadderPolicy", "StepGuard", "GuardConfig", "SamplingParams",
-                "GenerationResult", "Hazard", "Handoff", "FinishReason", "sanitize", "load_engine",
-                "parse_fault", "IncidentStore", "Qladder", "QladderError"}
-    assert expected <= set(qladder.__all__)
+    """`from qladder import *` gives exactly the documented names, each the object of its home module."""
+    import importlib
+
+    home = {"Ladder": "qladder.ladder", "LadderConfig": "qladder.ladder", "LadderPolicy": "qladder.policy",
+            "StepGuard": "qladder.health", "GuardConfig": "qladder.health", "GUARD_PRESETS": "qladder.health",
+            "SamplingParams": "qladder.sampling", "GenerationResult": "qladder.types", "Hazard": "qladder.types",
+            "Handoff": "qladder.types", "FinishReason": "qladder.types", "sanitize": "qladder.sanitize",
+            "SanitizeConfig": "qladder.sanitize", "SanitizeResult": "qladder.sanitize",
+            "load_engine": "qladder.engines", "RUNGS": "qladder.engines", "Fault": "qladder.faults",
+            "parse_fault": "qladder.faults", "Incident": "qladder.incidents", "IncidentStore": "qladder.incidents",
+            "Qladder": "qladder.service", "ServingEngine": "qladder.serving.engine",
+            "ServingConfig": "qladder.serving.engine", "EngineClient": "qladder.client", "Request": "qladder.client",
+            **{e: "qladder.errors" for e in ("QladderError", "ConfigError", "EngineError", "InputError",
+                                             "ModelError", "TokenizerMismatchError")}}
+    assert set(qladder.__all__) == set(home)
+    star: dict[str, object] = {}
+    exec("from qladder import *", star)
+    for name, module in home.items():
+        assert star[name] is getattr(importlib.import_module(module), name), name
 
 
 @pytest.fixture(scope="module")

@@ -338,7 +338,10 @@ def test_standby_replay_runs_every_job_fcfs_on_a_real_engine():
     assert [p["target_utilization"] for p in out["points"]] == [0.3, 0.6]
     for p in out["points"]:
         lo, hi = p["model_band_95_ms"]
-        assert p["jobs"] == 5 and 0 <= lo <= hi and isinstance(p["confirmed"], bool)
+        assert p["jobs"] == 5 and 0 <= lo <= hi
+        # The verdict is the stated rule on the figures it reports: the measured mean wait inside the band.
+        assert p["confirmed"] is (lo <= p["wait_mean_ms"] <= hi)
+        assert p["wait_max_ms"] >= p["wait_mean_ms"] >= 0 and p["service_mean_ms"] > 0
     assert "error" in confirm(engine, [], (0.5,), servers=1, n_jobs=3, seed=0)
 
 

@@ -1,9 +1,11 @@
 """qladder: a precision ladder for serving quantized LLMs safely.
 
 Layer 1 `sanitize`, layer 2 `StepGuard` + `Ladder` (rollback and mid-generation handoff by
-token ids), on engines that step one token at a time (`load_engine`: int4, w4a16, fp32, bf16).
+token ids), on engines that step one token at a time (`load_engine`: int4, w4a16, fp32, bf16);
+`ServingEngine`, the continuous-batching `EngineClient` that `qladder serve` runs.
 """
 
+from qladder.client import EngineClient, Request
 from qladder.engines import RUNGS, load_engine
 from qladder.errors import (
     ConfigError,
@@ -21,12 +23,14 @@ from qladder.policy import LadderPolicy
 from qladder.sampling import SamplingParams
 from qladder.sanitize import SanitizeConfig, SanitizeResult, sanitize
 from qladder.service import Qladder
+from qladder.serving.engine import ServingConfig, ServingEngine
 from qladder.types import FinishReason, GenerationResult, Handoff, Hazard
 
 __all__ = [
     "GUARD_PRESETS",
     "RUNGS",
     "ConfigError",
+    "EngineClient",
     "EngineError",
     "Fault",
     "FinishReason",
@@ -43,9 +47,12 @@ __all__ = [
     "ModelError",
     "Qladder",
     "QladderError",
+    "Request",
     "SamplingParams",
     "SanitizeConfig",
     "SanitizeResult",
+    "ServingConfig",
+    "ServingEngine",
     "StepGuard",
     "TokenizerMismatchError",
     "load_engine",

@@ -38,6 +38,14 @@ class WarmShadow:
             self._fed = len(context)
             self._last = self._pool.submit(self._extend, batch)
 
+    def ready(self, timeout: float | None = None) -> bool:
+        """Whether the worker has run every batch submitted so far, waiting up to `timeout` s."""
+        try:
+            self._last.exception(timeout)
+        except TimeoutError:
+            return False
+        return True
+
     def take(self, context: Sequence[int]) -> tuple[Session, int]:
         """Wait for the worker, catch up to `context`, and hand the session over.
         Returns the session and how many ids were caught up at handoff time."""

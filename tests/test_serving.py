@@ -211,6 +211,29 @@ def test_native_argmax_is_torchs_argmax(tmp_path, n):
         assert lib.qladder_argmax(a.ctypes.data, n) == int(torch.from_numpy(a).argmax())
 
 
+def test_a_request_back_from_the_standby_is_rung_0_from_its_first_row(served):
+    """return_after=3 and a NaN from step 2 on: up to fp32 at 2, back to INT4 at 5, whose first
+    row back is INT4's own, faulted, and caught there (at step 5, on int4), as the in-process
+    ladder does on the same rungs; no INT4 token is emitted after step 2."""
+    from qladder.ladder import Ladder
+    from qladder.policy import LadderPolicy
+
+    se, _ = served
+    ladder = LadderConfig(guard=se.config.ladder.guard, policy=LadderPolicy(return_after=3))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ids, nan = _ids(se, PROMPTS[0]), [parse_fault("nan@step=2")]
+    served_r = se.generate_sync(se.request(ids, params, faults=nan, ladder=ladder), timeout_s=300)
+    local = Ladder([get_engine("int4"), get_engine("fp32")], ladder).generate(ids, params, faults=nan)
+    for r in (served_r, local):
+        assert [(h.check, h.rung) for h in r.hazards][:2] == [("nonfinite", "int4")] * 2
+        assert [h.step for h in r.hazards][:2] == [2, 5]
+        assert r.token_rungs[:2] == ["int4"] * 2 and "int4" not in r.token_rungs[2:]
+        assert [(h.from_rung, h.to_rung, h.step) for h in r.handoffs][:3] == [
+            ("int4", "fp32", 2), ("fp32", "int4", 5), ("int4", "fp32", 5)]
+    assert [(h.check, h.rung, h.step) for h in served_r.hazards] == [(h.check, h.rung, h.step) for h in local.hazards]
+    assert served_r.token_rungs == local.token_rungs
+
+
 def test_a_gain_fault_hits_its_own_slot_only(served):
     """A massive-activation gain on one request (added in C to that slot's rows of layer 11):
     the monitor catches it at prefill and the request continues on fp32; its neighbour in the

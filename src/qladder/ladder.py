@@ -22,18 +22,19 @@ back past the step that produced the bad row.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Sequence
 
 from qladder.client import Request
 from qladder.engines import instrument
-from qladder.engines.base import Engine, Session, check_handoff
+from qladder.engines.base import Engine, Session, StepOutput, check_handoff
 from qladder.errors import EngineError, check_prompt_fits
 from qladder.faults import Fault, engine_faults
 from qladder.health.guard import StepGuard
 from qladder.incidents import IncidentSink
-from qladder.machine import Action, Continue, Done, LadderConfig, MoveTo, RequestMachine, Verify
+from qladder.machine import Action, Continue, Done, LadderConfig, MoveTo, RequestMachine, StepFailed, Verify, step
 from qladder.model import ModelInfo
 from qladder.sampling import SamplingParams
 from qladder.shadow import WarmShadow
@@ -160,8 +161,8 @@ class _Run:
         try:
             self.open(0)
         except EngineError as exc:
-            self.started = self.L.clock()
             action = m.on_hazard(Hazard("engine_error", self.L.engines[0].name, 0, detail=str(exc)), None)
+            self.started = m.left_at
         m.timings["prefill_ms"] = (self.L.clock() - t) * 1e3
         while not isinstance(action, Done):
             if isinstance(action, Verify):
@@ -173,13 +174,14 @@ class _Run:
         return action.result
 
     def step(self) -> Action:
-        """Push the last accepted token, judge the row, and accept a token or act on the hazard."""
+        """Push the last accepted token and take the session's output through the machine's step."""
         m = self.m
         engine = self.L.engines[m.rung]
         session = self.sessions[m.rung]
         clock = self.L.clock
         t = clock()
         stall = m.stall_due()
+        out: StepOutput | StepFailed
         try:
             if self.unpushed:
                 self.unpushed = False
@@ -189,20 +191,16 @@ class _Run:
             if stall is not None:  # an injected hang, inside the timed step
                 self.L.sleep(stall)
             out = session.output()
+            if not self.monitored:
+                out = dataclasses.replace(out, peaks=None)
         except EngineError as exc:
-            row, hazard = m.judge(None, None, None, None, None, 0.0, error=str(exc))
-        else:
-            peaks = out.peaks if self.monitored else None
-            row, hazard = m.judge(out.row, out.stats, peaks, out.rest_peaks, out.activation_limit, clock() - t)
-        if hazard is not None:
-            self.started = clock()
-            return m.on_hazard(hazard, row)
-        assert row is not None
-        action = m.accept_row(row)
-        if self.shadow is not None and not isinstance(action, Done):
+            out = StepFailed(str(exc))
+        action = step(m, out, clock() - t)
+        accepted = isinstance(action, Continue) or (isinstance(action, MoveTo) and not action.poisoned)
+        if accepted and self.shadow is not None:
             self.shadow.feed(m.context)
-        if isinstance(action, MoveTo):  # a policy move: the new rung opens on the whole context
-            self.started = clock()
+        if isinstance(action, (MoveTo, Verify)):  # the new rung opens on the whole context
+            self.started = m.left_at
         self.unpushed = isinstance(action, Continue)
         return action
 
@@ -225,7 +223,8 @@ class _Run:
             caught, warm = self.open(a.rung)
         except EngineError as exc:
             m.moved(a.rung, self.started, 0, False)
-            self.started = self.L.clock()
-            return m.on_hazard(Hazard("engine_error", self.L.engines[a.rung].name, m.step, detail=str(exc)), None)
+            action = m.on_hazard(Hazard("engine_error", self.L.engines[a.rung].name, m.step, detail=str(exc)), None)
+            self.started = m.left_at
+            return action
         m.moved(a.rung, self.started, caught, warm)
         return Continue()

@@ -1,12 +1,15 @@
 """One request's ladder logic as a state machine, stepped by whoever owns the engine it is on.
 
 The INT4 scheduler steps many machines with the rows of one batched decode; a standby worker
-steps one over a session of a full-precision rung. Both call the same four things:
+steps one over a session of a full-precision rung; the in-process ladder steps one over its
+rungs' sessions. All three call one function with what the engine gave for the step:
 
-    hazard = m.judge(row, stats, peaks, rest, limit, took_s)    guard (+ deadline, + step faults)
-    ok     -> action = m.accept_row(row)     sample; stop strings, EOS, length; release text
-    hazard -> action = m.on_hazard(hazard, row)                 policy -> move / verify / stop
+    action = step(m, StepOutput(row, stats, peaks, ...) | StepFailed(error), took_s)
+             = m.judge(...)                 guard (+ deadline, + step faults)
+               ok     -> m.accept_row(row)  sample; stop strings, EOS, length; release text
+               hazard -> m.on_hazard(...)   policy -> move / verify / stop
     Verify(j): the driver opens rung j on m.context and calls m.on_verify(reproduced)
+    MoveTo(j): the driver opens rung j on m.context and calls m.moved(j, m.left_at, ...)
 
 Actions: `Continue` (push the accepted token next step), `MoveTo(j)` (continue on rung j, by
 token ids: the driver opens rung j on `m.context`), `Verify(j)` (a repetition hazard: does rung
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qladder.client import Request
+from qladder.engines.base import StepOutput
 from qladder.errors import EngineError
 from qladder.faults import Fault, fault_row, stall_due
 from qladder.health.guard import GUARD_PRESETS, GuardConfig, StepGuard
@@ -94,6 +98,30 @@ class Confirm:
 Action = Continue | MoveTo | Verify | Done | Confirm
 
 
+@dataclass(frozen=True)
+class StepFailed:
+    """The engine raised instead of giving this step's row (an engine_error hazard)."""
+
+    error: str
+
+
+def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
+         native_argmax: Callable[[], int] | None = None) -> Action:
+    """One step, the same for every driver that holds a row: judge what the engine gave, then
+    accept a token or act on the hazard. `took_s` is the step's time as the driver measured it
+    (0.0 where a watchdog keeps the deadline); `native_argmax` is the engine's own greedy token
+    for `out.row`, taken only for a greedy request whose row no fault replaced."""
+    if isinstance(out, StepFailed):
+        row, hazard = m.judge(None, None, None, None, None, 0.0, error=out.error)
+    else:
+        row, hazard = m.judge(out.row, out.stats, out.peaks, out.rest_peaks, out.activation_limit, took_s)
+    if hazard is not None:
+        return m.on_hazard(hazard, row)
+    assert row is not None
+    greedy = native_argmax is not None and m.params.greedy and not isinstance(out, StepFailed) and row is out.row
+    return m.accept_row(row, native_argmax() if greedy and native_argmax is not None else None)
+
+
 class RequestMachine:
     """The state of one request on the ladder. Owned by one thread at a time."""
 
@@ -134,6 +162,7 @@ class RequestMachine:
         self.pending_hazard: Hazard | None = None  # the repetition hazard awaiting verification
         self.pending_row_argmax: int | None = None
         self.done: GenerationResult | None = None
+        self.left_at = self.t0  # when the last hazard (or policy move) decided to leave the rung
         self._stalled: set[int] = set()
 
     # -- what drivers read ---------------------------------------------------------------------
@@ -270,6 +299,7 @@ class RequestMachine:
             return self._end(FinishReason.LENGTH)
         action = self.config.policy.on_token(self.rung, self.streak, len(self.handoffs))
         if isinstance(action, HandoffAction):
+            self.left_at = self.clock()
             return MoveTo(action.to, poisoned=False)
         return Continue()
 
@@ -289,7 +319,8 @@ class RequestMachine:
 
     def on_hazard(self, hazard: Hazard, row: torch.Tensor | None) -> Action:
         """Drop the step; record the hazard; ask the policy (a repetition first asks the next rung)."""
-        self.close_handoff(self.clock())  # a handoff whose new rung failed before its first token
+        self.left_at = now = self.clock()  # the handoff's latency counts from here
+        self.close_handoff(now)  # a handoff whose new rung failed before its first token
         if hazard.check == "verify":  # the standby refused token `step`: continue from the ones before it
             self.rollback_unreleased(hazard.step)
         elif hazard.check == "diffuse" or self.unchecked:  # suspect, or never checked: roll back what was held

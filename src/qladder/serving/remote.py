@@ -190,7 +190,7 @@ class RemotePool:
             action = await self._stream(m, j)
             if action is None:
                 return
-            when = self.clock()
+            when = m.left_at  # the hazard's (or the policy's) moment: the handoff's latency starts
 
     def _leave(self, m: RequestMachine, action: Action, started: float) -> None:
         if self.forward is None:

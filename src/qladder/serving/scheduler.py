@@ -33,10 +33,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from qladder.engines.base import StepOutput
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
 from qladder.errors import EngineDeadError, EngineError, QueueFullError
 from qladder.faults import MASSIVE_ACTIVATION
-from qladder.machine import Action, Continue, Done, MoveTo, RequestMachine, Verify
+from qladder.machine import Action, Continue, Done, MoveTo, RequestMachine, StepFailed, Verify, step
 from qladder.serving.aborts import AbortRegistry
 from qladder.serving.handoffs import RungPool
 from qladder.types import FinishReason, Hazard
@@ -214,6 +215,9 @@ class Int4Scheduler:
         while self._waiting and self._free and self.healthy:
             s = self._waiting.popleft()
             s.slot = self._free.pop(0)
+            if s.returning:  # back from the standby: from its re-prefill on, rung 0's (judged, faulted) work
+                s.returning = False
+                s.m.moved(0, s.started, s.m.step + len(s.m.prompt), warm=False)
             self._slots[s.slot] = s
             prefix = self.engine.prefix
             if prefix and s.n_past == 0 and len(s.feed) > len(prefix) and tuple(s.feed[:len(prefix)]) == prefix:
@@ -320,28 +324,20 @@ class Int4Scheduler:
 
     def _on_row(self, s: _Slot, error: str | None, monitored: bool) -> None:
         m, eng = s.m, self.engine
-        base = None
+        out: StepOutput | StepFailed
         if error is not None:  # a failed decode: every row of the batch leaves
-            row, hazard = m.judge(None, None, None, None, None, 0.0, error=error)
+            out = StepFailed(error)
         else:
             peaks, rest = eng.peaks(s.slot) if monitored else (None, None)
-            base = eng.row(s.slot)
-            row, hazard = m.judge(base, eng.row_stats(s.slot), peaks, rest,
-                                  eng.activation_limit if monitored else None, 0.0)
-        if s.returning:
-            s.returning = False
-            m.moved(0, s.started, m.step + len(m.prompt), warm=False)
-        if hazard is not None:
-            self._leave(s, m.on_hazard(hazard, row), self.clock())
-            return
-        assert row is not None
-        # Greedy on an unfaulted row: the native argmax (first maximum, as torch's) saves ~25 us.
-        token = eng.argmax(s.slot) if m.params.greedy and row is base else None
-        action = m.accept_row(row, token)
+            out = StepOutput(eng.row(s.slot), eng.row_stats(s.slot), peaks, rest,
+                             eng.activation_limit if monitored else None)
+        # The deadline is the watchdog's (took_s 0); greedy on an unfaulted row takes the native
+        # argmax (first maximum, as torch's), ~25 us less than torch's.
+        action = step(m, out, 0.0, lambda: eng.argmax(s.slot))
         if isinstance(action, Continue):
             s.feed = [m.accepted[-1]]
             return
-        self._leave(s, action, self.clock())
+        self._leave(s, action, m.left_at if isinstance(action, (MoveTo, Verify)) else self.clock())
 
     def _leave(self, s: _Slot, action: Action, started: float) -> None:
         """The request leaves the pool: done, or to the standby (its slot freed either way)."""

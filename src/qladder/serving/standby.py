@@ -21,9 +21,9 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from qladder.engines.base import Engine, Session
+from qladder.engines.base import Engine, Session, StepOutput
 from qladder.errors import EngineDeadError, EngineError, QueueFullError
-from qladder.machine import Action, Continue, Done, MoveTo, RequestMachine, Verify
+from qladder.machine import Action, Continue, Done, MoveTo, RequestMachine, StepFailed, Verify, step
 from qladder.serving.aborts import AbortRegistry
 from qladder.types import FinishReason, Hazard
 
@@ -182,7 +182,7 @@ class StandbyPool:
             if not start:
                 m.moved(j, t.started, len(ctx), warm=False)
             t.action = m.on_hazard(Hazard("engine_error", engine.name, m.step, detail=str(exc)), None)
-            t.started = self.clock()
+            t.started = m.left_at
             return isinstance(t.action, Done)
         if isinstance(action, Verify):
             try:
@@ -204,25 +204,17 @@ class StandbyPool:
         m, s = t.m, t.session
         assert s is not None
         t0 = self.clock()
+        out: StepOutput | StepFailed
         try:
             if t.unpushed:
                 t.unpushed = False
                 s.push(m.accepted[-1])
             out = s.output()
         except EngineError as exc:
-            row, hazard = m.judge(None, None, None, None, None, 0.0, error=str(exc))
-        else:
-            row, hazard = m.judge(out.row, out.stats, out.peaks, out.rest_peaks, out.activation_limit,
-                                  self.clock() - t0)
-        if hazard is not None:
-            t.action = m.on_hazard(hazard, row)
-            t.started = self.clock()
-            if isinstance(t.action, Done):
-                self._close(t)
-                return True
-            return False
-        assert row is not None
-        t.action = m.accept_row(row)
+            out = StepFailed(str(exc))
+        t.action = step(m, out, self.clock() - t0)
+        if isinstance(t.action, (MoveTo, Verify)):  # a hazard's move, or the policy's return
+            t.started = m.left_at
         if isinstance(t.action, Done):
             self._close(t)
             return True

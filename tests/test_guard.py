@@ -389,3 +389,40 @@ def test_a_passed_draft_is_released_as_a_remote_rung_releases_and_an_early_end_w
     assert isinstance(eos, Confirm) and eos.reason is FinishReason.STOP
     short.draft_checked()
     assert short.finish(action.reason).token_ids == [10, 11, 12]
+
+
+def test_row_faults_corrupt_from_their_step_on_and_stall_once():
+    from qladder.engines.base import StepOutput
+    from qladder.errors import EngineError
+    from qladder.faults import RowFaults, row_faults
+
+    assert row_faults([parse_fault("gain@layer=11,channel=507,x=3")]) is None  # no step fault: nothing installed
+    f = RowFaults([parse_fault("nan@step=2"), parse_fault("stall@step=1,s=0.5")])
+    out = StepOutput(_normal_row(), (1.0, 2.0, 3.0))
+    assert f.output(out, 1) is out  # before its step: the engine's own output, stats kept
+    for k in (2, 3):
+        hit = f.output(out, k)
+        assert torch.isnan(hit.row).all() and hit.stats is None and not torch.isnan(out.row).any()
+    assert (f.stall(0), f.stall(1), f.stall(1)) == (None, 0.5, None)  # a stall hangs its step once
+    with pytest.raises(EngineError, match="injected kernel error at step 4"):
+        RowFaults([parse_fault("error@step=4")]).output(out, 4)
+
+
+def test_token_faults_hit_their_step_only():
+    """A remote rung streams sampled tokens: a fault changes the token of its own step (the server
+    has sampled on), never the ones after."""
+    from qladder.errors import EngineError
+    from qladder.faults import TokenFaults, token_faults
+    from qladder.health.remote import RemoteToken
+
+    assert token_faults([]) is None
+    tok = RemoteToken(7, -0.1, b"a", ((7, -0.1), (8, -2.0)))
+    f = TokenFaults([parse_fault("nan@step=3"), parse_fault("zero@step=4"), parse_fault("stall@step=5,s=2")])
+    assert f.token(tok, 0.01, 2, V) == (tok, 0.01) and f.token(tok, 0.01, 6, V) == (tok, 0.01)
+    nan, took = f.token(tok, 0.01, 3, V)
+    assert math.isnan(nan.logprob) and nan.token_id == 7 and took == 0.01
+    flat, _ = f.token(tok, 0.01, 4, V)
+    assert flat.logprob == pytest.approx(-math.log(V)) and flat.top == ()
+    assert f.token(tok, 0.01, 5, V) == (tok, 2.0)
+    with pytest.raises(EngineError):
+        TokenFaults([parse_fault("error@step=1")]).token(tok, 0.01, 1, V)

@@ -29,15 +29,21 @@ Steps count generated tokens: step K is the logits row from which token K would 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from qladder.engines.base import Engine, Session, StepOutput
 from qladder.errors import ConfigError, EngineError
+from qladder.health.remote import RemoteToken
+
+if TYPE_CHECKING:
+    from qladder.engines.llamacpp_batch import BatchedLlamaCpp
 
 MASSIVE_ACTIVATION = 24_900.0  # SmolLM2-135M, layer 11-12, channel 507, FP32, first token
 STEP_KINDS = ("nan", "inf", "zero", "error", "stall")
@@ -116,16 +122,67 @@ def stall_due(faults: Sequence[Fault], step: int, stalled: set[int]) -> float | 
     return None
 
 
+class RowFaults:
+    """One request's step faults on the rung under test, as the driver that holds its rows installs
+    them (only for a request that has some): `stall(step)` once per step, `output(out, step)` the
+    step's output as the faults make it (stats dropped from a replaced row: they describe the
+    engine's). Raises EngineError for an injected kernel error."""
+
+    def __init__(self, faults: Sequence[Fault]):
+        self.faults = [f for f in faults if f.kind in STEP_KINDS]
+        self._stalled: set[int] = set()
+
+    def stall(self, step: int) -> float | None:
+        return stall_due(self.faults, step, self._stalled)
+
+    def output(self, out: StepOutput, step: int) -> StepOutput:
+        row = fault_row(out.row, self.faults, step)
+        return out if row is out.row else dataclasses.replace(out, row=row, stats=None)
+
+
+def row_faults(faults: Sequence[Fault]) -> RowFaults | None:
+    """The row faults a driver installs for a request, or None when it has none (the usual case)."""
+    return RowFaults(faults) if any(f.kind in STEP_KINDS for f in faults) else None
+
+
+class TokenFaults:
+    """One request's step faults on a remote rung under test, which streams sampled tokens and no
+    rows: at step K exactly (the server has sampled on), nan/inf make the token's logprob
+    non-finite, zero flattens it (logprob -ln V, no top-k), error is an engine error (EngineError),
+    stall a gap of S seconds."""
+
+    def __init__(self, faults: Sequence[Fault]):
+        self.faults = [f for f in faults if f.kind in STEP_KINDS]
+
+    def token(self, tok: RemoteToken, took_s: float, step: int, n_vocab: int) -> tuple[RemoteToken, float]:
+        for f in self.faults:
+            if f.step != step:
+                continue
+            if f.kind in ("nan", "inf"):
+                tok = RemoteToken(tok.token_id, float(f.kind), tok.token_bytes, tok.top)
+            elif f.kind == "zero":
+                tok = RemoteToken(tok.token_id, -math.log(n_vocab), tok.token_bytes, ())
+            elif f.kind == "error":
+                raise EngineError("injected engine error")
+            elif f.kind == "stall":
+                took_s = max(took_s, f.stall_s)
+        return tok, took_s
+
+
+def token_faults(faults: Sequence[Fault]) -> TokenFaults | None:
+    return TokenFaults(faults) if any(f.kind in STEP_KINDS for f in faults) else None
+
+
 class FaultySession:
-    """Wraps a session and corrupts its steps from `fault.step` on. Implements Session."""
+    """Wraps a session and corrupts its steps from `fault.step` on (step = ids past the prompt).
+    Implements Session."""
 
     def __init__(self, inner: Session, faults: Sequence[Fault], prompt_len: int,
                  sleep: Callable[[float], None] = time.sleep):
         self._inner = inner
-        self._faults = [f for f in faults if f.kind in STEP_KINDS]
+        self._faults = RowFaults(faults)
         self._prompt_len = prompt_len
         self._sleep = sleep
-        self._stalled: set[int] = set()
 
     @property
     def n_tokens(self) -> int:
@@ -141,11 +198,10 @@ class FaultySession:
     def output(self) -> StepOutput:
         out = self._inner.output()
         step = self._inner.n_tokens - self._prompt_len
-        stall = stall_due(self._faults, step, self._stalled)
+        stall = self._faults.stall(step)
         if stall is not None:
             self._sleep(stall)
-        row = fault_row(out.row, self._faults, step)
-        return out if row is out.row else dataclasses.replace(out, row=row, stats=None)
+        return self._faults.output(out, step)
 
     def push(self, token_id: int) -> None:
         self._inner.push(token_id)
@@ -158,6 +214,15 @@ class FaultySession:
 
     def close(self) -> None:
         self._inner.close()
+
+
+def install_slot_gains(engine: BatchedLlamaCpp, slot: int, faults: Sequence[Fault]) -> bool:
+    """Add each gain fault's activation outlier to one slot's rows through the real kernels
+    (in C, at layer L's output). Returns whether any was set (the slot's gain then needs clearing)."""
+    gains = [f for f in faults if f.kind == "gain"]
+    for f in gains:
+        engine.set_gain(slot, f.layer, f.channel, (f.x - 1.0) * MASSIVE_ACTIVATION)
+    return bool(gains)
 
 
 @contextmanager

@@ -26,12 +26,12 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from qladder.client import Request
 from qladder.engines import instrument
 from qladder.engines.base import Engine, Session, StepOutput, check_handoff
 from qladder.errors import EngineError, check_prompt_fits
-from qladder.faults import Fault, engine_faults
 from qladder.health.guard import StepGuard
 from qladder.incidents import IncidentSink
 from qladder.machine import Action, Continue, Done, LadderConfig, MoveTo, RequestMachine, StepFailed, Verify, step
@@ -39,6 +39,19 @@ from qladder.model import ModelInfo
 from qladder.sampling import SamplingParams
 from qladder.shadow import WarmShadow
 from qladder.types import GenerationResult, Hazard
+
+if TYPE_CHECKING:
+    from qladder.faults import Fault
+
+
+def _gains(engine: Engine, faults: Sequence[Fault]) -> contextlib.AbstractContextManager[None]:
+    """Test machinery, only for a request that has gain faults: installed on rung 0 for its run."""
+    gains = [f for f in faults if f.kind == "gain"]
+    if not gains:
+        return contextlib.nullcontext()
+    from qladder.faults import engine_faults
+
+    return engine_faults(engine, gains)
 
 __all__ = ["Ladder", "LadderConfig"]
 
@@ -83,7 +96,7 @@ class Ladder:
         m = RequestMachine(req, [e.name for e in self.engines], [e.n_ctx for e in self.engines], e0.eos_ids,
                            e0.detokenize_bytes, self.config, self.guard, self.incidents, clock=self.clock)
         run = _Run(self, m)
-        with engine_faults(e0, [f for f in faults if f.kind == "gain"]):
+        with _gains(e0, faults):
             try:
                 return run.loop()
             finally:
@@ -101,6 +114,7 @@ class _Run:
         self.unpushed = False  # the last accepted token is not yet in the current rung's session
         self.started = 0.0  # when the hazard (or policy move) being carried out happened
         self.monitored = ladder.config.guard.check_activations  # the last forward ran monitored
+        self.faulted = any(f.kind != "gain" for f in m.req.faults)  # step faults: rung 0 wrapped
 
     # -- sessions --------------------------------------------------------------------------
     def open(self, j: int) -> tuple[int, bool]:
@@ -117,7 +131,12 @@ class _Run:
             s, caught = shadow.take(ctx)
             self.sessions[j] = s
             return caught, True
-        self.sessions[j] = engine.open(ctx)
+        session = engine.open(ctx)
+        if j == 0 and self.faulted:  # test machinery: the request's step faults hit rung 0's rows
+            from qladder.faults import FaultySession
+
+            session = FaultySession(session, self.m.req.faults, len(self.m.prompt), self.L.sleep)
+        self.sessions[j] = session
         return len(ctx), False
 
     def drop(self, j: int, keep: bool, poisoned: bool) -> None:
@@ -180,7 +199,6 @@ class _Run:
         session = self.sessions[m.rung]
         clock = self.L.clock
         t = clock()
-        stall = m.stall_due()
         out: StepOutput | StepFailed
         try:
             if self.unpushed:
@@ -188,9 +206,7 @@ class _Run:
                 # Costly monitors (int4's) sample decode steps; prefill and catch-up always run monitored.
                 self.set_monitor(m.rung, engine.monitor_is_cheap or m.step % self.L.config.guard.activation_every == 0)
                 session.push(m.accepted[-1])
-            if stall is not None:  # an injected hang, inside the timed step
-                self.L.sleep(stall)
-            out = session.output()
+            out = session.output()  # (a faulted rung 0's hangs and rows happen inside: timed)
             if not self.monitored:
                 out = dataclasses.replace(out, peaks=None)
         except EngineError as exc:

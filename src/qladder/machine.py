@@ -5,7 +5,7 @@ steps one over a session of a full-precision rung; the in-process ladder steps o
 rungs' sessions. All three call one function with what the engine gave for the step:
 
     action = step(m, StepOutput(row, stats, peaks, ...) | StepFailed(error), took_s)
-             = m.judge(...)                 guard (+ deadline, + step faults)
+             = m.judge(...)                 deadline, guard
                ok     -> m.accept_row(row)  sample; stop strings, EOS, length; release text
                hazard -> m.on_hazard(...)   policy -> move / verify / stop
     Verify(j): the driver opens rung j on m.context and calls m.on_verify(reproduced)
@@ -31,8 +31,6 @@ import torch
 
 from qladder.client import Request
 from qladder.engines.base import StepOutput
-from qladder.errors import EngineError
-from qladder.faults import Fault, fault_row, stall_due
 from qladder.health.guard import GUARD_PRESETS, GuardConfig, StepGuard
 from qladder.health.remote import RemoteToken, check_remote
 from qladder.health.repetition import loop_start
@@ -163,7 +161,6 @@ class RequestMachine:
         self.pending_row_argmax: int | None = None
         self.done: GenerationResult | None = None
         self.left_at = self.t0  # when the last hazard (or policy move) decided to leave the rung
-        self._stalled: set[int] = set()
 
     # -- what drivers read ---------------------------------------------------------------------
     @property
@@ -183,32 +180,16 @@ class RequestMachine:
     def context(self) -> list[int]:
         return self.prompt + self.stream.ids
 
-    def faults_here(self) -> list[Fault]:
-        """Step faults hit the first rung only (the INT4 engine under test)."""
-        return list(self.req.faults) if self.rung == 0 else []
-
-    def stall_due(self) -> float | None:
-        """Seconds an injected stall fault hangs this step on rung 0 (once), else None."""
-        return stall_due(self.faults_here(), self.step, self._stalled)
-
     # -- one step --------------------------------------------------------------------------------
     def judge(self, row: torch.Tensor | None, stats: tuple[float, float, float] | None,
               peaks: torch.Tensor | None, rest: torch.Tensor | None, limit: float | None,
               took_s: float, error: str | None = None) -> tuple[torch.Tensor | None, Hazard | None]:
-        """The guard's verdict on this step's row (after the request's step faults, if any).
-        Returns the row to sample (possibly a faulted copy) and the hazard, or None."""
+        """The guard's verdict on this step's row: returns the row to sample and the hazard, or None.
+        (A request's injected faults are the driver's: they reach here as the rows they make.)"""
         name = self.rungs[self.rung]
         if error is not None:
             return None, Hazard("engine_error", name, self.step, detail=error)
         assert row is not None
-        faults = self.faults_here()
-        if faults:
-            try:
-                faulted = fault_row(row, faults, self.step)
-            except EngineError as exc:
-                return None, Hazard("engine_error", name, self.step, detail=str(exc))
-            if faulted is not row:
-                row, stats = faulted, None  # the engine's stats describe the unfaulted row
         deadline = self.config.guard.step_deadline_s
         if took_s > deadline:
             return row, Hazard("deadline", name, self.step, took_s, deadline,
@@ -217,22 +198,10 @@ class RequestMachine:
 
     def judge_remote(self, tok: RemoteToken, took_s: float, n_vocab: int, expected_bytes: bytes | None
                      ) -> Hazard | None:
-        """The verdict on a token a remote rung sampled and streamed (see health/remote.py), after
-        the request's step faults: nan/inf make its logprob non-finite, zero flattens it, error is
-        an engine error, stall a deadline overrun."""
+        """The verdict on a token a remote rung sampled and streamed (see health/remote.py); the
+        remote pool applies a request's injected faults to the token before (faults.TokenFaults)."""
         name = self.rungs[self.rung]
         deadline = self.config.guard.step_deadline_s
-        for f in self.faults_here():
-            if f.step != self.step:
-                continue
-            if f.kind in ("nan", "inf"):
-                tok = RemoteToken(tok.token_id, float(f.kind), tok.token_bytes, tok.top)
-            elif f.kind == "zero":
-                tok = RemoteToken(tok.token_id, -math.log(n_vocab), tok.token_bytes, ())
-            elif f.kind == "error":
-                return Hazard("engine_error", name, self.step, detail="injected engine error")
-            elif f.kind == "stall":
-                took_s = max(took_s, f.stall_s)
         if took_s > deadline:
             return Hazard("deadline", name, self.step, took_s, deadline,
                           detail=f"the next token took {took_s * 1e3:.0f} ms")

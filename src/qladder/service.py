@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qladder.config import Settings
 from qladder.engines import load_engine
 from qladder.engines.base import Engine
 from qladder.errors import ConfigError
-from qladder.faults import Fault
 from qladder.incidents import IncidentSink
 from qladder.ladder import Ladder, LadderConfig
 from qladder.model import Message, ModelInfo, inspect_model
@@ -22,6 +22,9 @@ from qladder.sampling import SamplingParams
 from qladder.sanitize import PRESETS as SANITIZE_PRESETS
 from qladder.sanitize import SanitizeConfig, SanitizeResult
 from qladder.types import GenerationResult
+
+if TYPE_CHECKING:
+    from qladder.faults import Fault
 
 
 @dataclass

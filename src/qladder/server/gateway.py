@@ -20,11 +20,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qladder.client import AsyncEvents, EngineClient, Request
 from qladder.errors import Draining, EngineFailed, InputError, UnknownModel, Unsupported
-from qladder.faults import Fault, parse_fault
 from qladder.incidents import prompt_hash
 from qladder.model import Message
 from qladder.prepare import Preparer
@@ -37,6 +36,9 @@ from qladder.server.protocol import ChatCompletionRequest, CompletionRequest
 from qladder.server.quarantine import Quarantine
 from qladder.server.router import Route, Router
 from qladder.types import DEFAULT_MAX_TOKENS, Event, FinalEvent, FinishReason, GenerationResult, HazardEvent, TokenEvent
+
+if TYPE_CHECKING:
+    from qladder.faults import Fault
 
 ERROR_CHECKS = frozenset({"engine_error", "deadline"})  # the engine failed, not the numbers
 
@@ -84,9 +86,13 @@ class Gateway:
 
     def _faults(self, body: ChatCompletionRequest | CompletionRequest) -> tuple[Fault, ...]:
         specs = body.qladder.faults if body.qladder is not None else []
-        if specs and not self.allow_faults:
+        if not specs:
+            return ()
+        if not self.allow_faults:
             raise Unsupported("qladder.faults", "fault injection is disabled on this server "
                                                 "(the operator starts it with --allow-faults)")
+        from qladder.faults import parse_fault  # test machinery: loaded only for a faulted request
+
         return tuple(parse_fault(s) for s in specs)
 
     @staticmethod

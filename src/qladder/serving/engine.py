@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from qladder.client import AsyncEvents, Request
 from qladder.config import Settings
@@ -34,7 +35,6 @@ from qladder.engines.remote import RemoteRung
 from qladder.engines.remote_llama import LlamaServerRung
 from qladder.engines.remote_vllm import VllmRung
 from qladder.errors import ConfigError, InputError, check_prompt_fits
-from qladder.faults import Fault
 from qladder.health.guard import StepGuard
 from qladder.incidents import IncidentSink
 from qladder.machine import LadderConfig, MoveTo, RequestMachine
@@ -46,6 +46,9 @@ from qladder.serving.remote import RemoteConfig, RemotePool
 from qladder.serving.scheduler import Int4Scheduler, SchedulerConfig
 from qladder.serving.standby import StandbyPool
 from qladder.types import Event, FinalEvent, GenerationResult
+
+if TYPE_CHECKING:
+    from qladder.faults import Fault
 
 _log = logging.getLogger("qladder.serving")
 

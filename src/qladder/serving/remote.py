@@ -31,16 +31,28 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 
 from qladder.engines.remote import RemoteEnd, RemoteRung
-from qladder.errors import EngineDeadError, QueueFullError, RemoteStreamError
+from qladder.errors import EngineDeadError, EngineError, QueueFullError, RemoteStreamError
 from qladder.health.remote import RemoteToken, check_draft
 from qladder.machine import Action, Confirm, Done, MoveTo, RequestMachine, Verify
 from qladder.sampling import SamplingParams, TokenLogprob
 from qladder.serving.aborts import AbortRegistry
 from qladder.types import FinishReason, Hazard
+
+if TYPE_CHECKING:
+    from qladder.faults import TokenFaults
+
+
+def _token_faults(m: RequestMachine) -> TokenFaults | None:
+    if not m.req.faults:
+        return None
+    from qladder.faults import token_faults
+
+    return token_faults(m.req.faults)
 
 _log = logging.getLogger("qladder.remote")
 
@@ -227,6 +239,7 @@ class RemotePool:
         """Judge and release the streamed tokens. None: the request ended (done or aborted); a
         Hazard (the stream is closed on return: the server stops this request); or a policy move."""
         deadline = m.config.guard.step_deadline_s
+        faults = _token_faults(m) if j == 0 else None  # step faults hit the rung under test only
         m.hold_for_remote()
         n_check = self._draft_size(m, j)
         if n_check:
@@ -266,6 +279,11 @@ class RemotePool:
                 self.steps += 1
                 t = item.token_id
                 expected = rung.detokenize_bytes([t]) if 0 <= t < rung.n_vocab else None
+                if faults is not None:  # test machinery: the token as the request's faults make it
+                    try:
+                        item, took = faults.token(item, took, m.step, rung.n_vocab)
+                    except EngineError as exc:
+                        return self._error(m, str(exc))
                 hazard = m.judge_remote(item, took, rung.n_vocab, expected)
                 if hazard is not None:
                     if hazard.check == "deadline":

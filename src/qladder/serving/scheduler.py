@@ -32,15 +32,18 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from qladder.engines.base import StepOutput
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
 from qladder.errors import EngineDeadError, EngineError, QueueFullError
-from qladder.faults import MASSIVE_ACTIVATION
 from qladder.machine import Action, Continue, Done, MoveTo, RequestMachine, StepFailed, Verify, step
 from qladder.serving.aborts import AbortRegistry
 from qladder.serving.handoffs import RungPool
 from qladder.types import FinishReason, Hazard
+
+if TYPE_CHECKING:
+    from qladder.faults import RowFaults
 
 _log = logging.getLogger("qladder.scheduler")
 
@@ -58,6 +61,15 @@ class SchedulerConfig:
     probe_deadline_s: float = 2.0
 
 
+def _row_faults(m: RequestMachine) -> RowFaults | None:
+    """A request's step faults as this driver installs them; None (no fault code runs) without."""
+    if not m.req.faults:
+        return None
+    from qladder.faults import row_faults
+
+    return row_faults(m.req.faults)
+
+
 @dataclass
 class _Slot:
     m: RequestMachine
@@ -66,6 +78,8 @@ class _Slot:
     feed: list[int] = field(default_factory=list)  # ids still to evaluate (prompt, catch-up)
     started: float = 0.0  # for a request returned from the standby: when the return began
     returning: bool = False
+    faults: RowFaults | None = None  # test machinery, only on a request that carries step faults
+    gain: bool = False  # a gain fault set on this slot's rows (cleared at release)
 
 
 @dataclass
@@ -196,11 +210,12 @@ class Int4Scheduler:
                 return
             if kind == "new":
                 assert isinstance(item, RequestMachine)
-                self._waiting.append(_Slot(item, -1, feed=list(item.prompt)))
+                self._waiting.append(_Slot(item, -1, feed=list(item.prompt), faults=_row_faults(item)))
             else:
                 m, started = item  # type: ignore[misc]
                 self._count(+1)
-                self._waiting.appendleft(_Slot(m, -1, feed=m.context, started=started, returning=True))
+                self._waiting.appendleft(_Slot(m, -1, feed=m.context, started=started, returning=True,
+                                               faults=_row_faults(m)))
 
     def _drop_aborted(self) -> None:
         for s in [s for s in self._waiting if self.aborts.is_aborted(s.m.request_id)]:
@@ -226,9 +241,10 @@ class Int4Scheduler:
                 self.prefix_hits += 1
             else:
                 self.engine.truncate(s.slot, 0)
-            for f in s.m.req.faults:  # an activation outlier through the real kernels, this slot only
-                if f.kind == "gain":
-                    self.engine.set_gain(s.slot, f.layer, f.channel, (f.x - 1.0) * MASSIVE_ACTIVATION)
+            if s.m.req.faults:  # test machinery: an activation outlier through the real kernels, this slot only
+                from qladder.faults import install_slot_gains
+
+                s.gain = install_slot_gains(self.engine, s.slot, s.m.req.faults)
             self.slot_log.append((self.steps, "admit", s.m.request_id, s.slot))
 
     def _release(self, s: _Slot) -> None:
@@ -236,7 +252,9 @@ class Int4Scheduler:
         if self._slots.get(s.slot) is s:
             del self._slots[s.slot]
             self.engine.release(s.slot)  # keeps the cached prefix's KV for the next admission
-            self.engine.clear_gain(s.slot)
+            if s.gain:
+                self.engine.clear_gain(s.slot)
+                s.gain = False
             self._free.insert(0, s.slot)  # the next admission takes it
             self.slot_log.append((self.steps, "release", s.m.request_id, s.slot))
             self._count(-1)
@@ -285,7 +303,7 @@ class Int4Scheduler:
         row_stats = any(g.check_logits for g in guards)
         deadline = min(g.step_deadline_s for g in guards)
         for e, s in zip(entries, batch, strict=True):
-            stall = s.m.stall_due() if e.logits else None
+            stall = s.faults.stall(s.m.step) if s.faults is not None and e.logits else None
             if stall is not None:
                 if self.engine.has_native:
                     self.engine.arm_stall(int(stall * 1e3))
@@ -298,7 +316,8 @@ class Int4Scheduler:
         error: str | None = None
         t0 = time.perf_counter()
         try:
-            self._python_stall()
+            if self._py_stall_s > 0:
+                self._python_stall()
             self.engine.decode(entries, monitor=monitor, row_stats=row_stats)
         except EngineError as exc:
             error = str(exc)
@@ -331,6 +350,11 @@ class Int4Scheduler:
             peaks, rest = eng.peaks(s.slot) if monitored else (None, None)
             out = StepOutput(eng.row(s.slot), eng.row_stats(s.slot), peaks, rest,
                              eng.activation_limit if monitored else None)
+            if s.faults is not None:  # test machinery: the row as the request's faults make it
+                try:
+                    out = s.faults.output(out, m.step)
+                except EngineError as exc:
+                    out = StepFailed(str(exc))
         # The deadline is the watchdog's (took_s 0); greedy on an unfaulted row takes the native
         # argmax (first maximum, as torch's), ~25 us less than torch's.
         action = step(m, out, 0.0, lambda: eng.argmax(s.slot))
@@ -385,11 +409,10 @@ class Int4Scheduler:
         self._py_stall_s = seconds
 
     def _python_stall(self) -> None:
-        if self._py_stall_s > 0:
-            end = self.clock() + self._py_stall_s
-            self._py_stall_s = 0.0
-            while self.clock() < end and not (self._flight and self._flight.claimed):
-                time.sleep(0.005)
+        end = self.clock() + self._py_stall_s
+        self._py_stall_s = 0.0
+        while self.clock() < end and not (self._flight and self._flight.claimed):
+            time.sleep(0.005)
 
     # -- the watchdog thread -----------------------------------------------------------------------
     def _watch(self) -> None:

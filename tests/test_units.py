@@ -122,7 +122,7 @@ def test_public_api_is_complete():
             "ServingConfig": "qladder.serving.engine", "EngineClient": "qladder.client", "Request": "qladder.client",
             **{e: "qladder.errors" for e in ("QladderError", "ConfigError", "EngineError", "InputError",
                                              "ModelError", "TokenizerMismatchError")}}
-    assert set(qladder.__all__) == set(home) == set(qladder._HOME) and qladder._HOME == home
+    assert set(qladder.__all__) == set(home) and home == qladder._HOME
     star: dict[str, object] = {}
     exec("from qladder import *", star)
     for name, module in home.items():

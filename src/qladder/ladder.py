@@ -162,7 +162,7 @@ class _Run:
         self.sessions.clear()
         if self.shadow is not None:
             self.shadow.discard()
-        self.m.flush_incidents(None)
+        self.m.rec.flush(None)
 
     def set_monitor(self, j: int, on: bool) -> None:
         on = on and self.L.config.guard.check_activations
@@ -182,7 +182,7 @@ class _Run:
         except EngineError as exc:
             action = m.on_hazard(Hazard("engine_error", self.L.engines[0].name, 0, detail=str(exc)), None)
             self.started = m.left_at
-        m.timings["prefill_ms"] = (self.L.clock() - t) * 1e3
+        m.rec.timings["prefill_ms"] = (self.L.clock() - t) * 1e3
         while not isinstance(action, Done):
             if isinstance(action, Verify):
                 action = self.verify(action.rung)

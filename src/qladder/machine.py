@@ -20,8 +20,6 @@ engine, so one machine can move between threads (an ownership transfer, never sh
 
 from __future__ import annotations
 
-import json
-import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +35,7 @@ from qladder.health.repetition import loop_start
 from qladder.incidents import Incident, IncidentSink, prompt_hash
 from qladder.policy import Handoff as HandoffAction
 from qladder.policy import LadderPolicy, Stop
+from qladder.recorder import Recorder
 from qladder.sampling import Sampler, TokenLogprob, token_logprob
 from qladder.stream import TextStream, TokenBytes
 from qladder.types import (
@@ -45,14 +44,10 @@ from qladder.types import (
     FinalEvent,
     FinishReason,
     GenerationResult,
-    Handoff,
-    HandoffEvent,
     Hazard,
     HazardEvent,
     TokenEvent,
 )
-
-_log = logging.getLogger("qladder.incidents")
 
 
 @dataclass(frozen=True)
@@ -135,32 +130,25 @@ class RequestMachine:
         self.eos_ids = eos_ids
         self.config = config
         self.guard = guard
-        self.incidents = incidents if config.record_incidents else None
         self.emit = emit or (lambda _e: None)
         self.clock = clock
+        self.rec = Recorder(request.request_id, incidents if config.record_incidents else None, self.emit, clock)
         self.sampler = Sampler(request.params)
         g = config.guard
         self.stream = TextStream(token_bytes, request.params.stop,
                                  g.repetition_max_period if g.check_repetition else 0)
         self.token_rungs: list[str] = []
         self.hazards: list[Hazard] = []
-        self.handoffs: list[Handoff] = []
         self.rung = request.start_rung
         self.streak = 0
         self.logprobs: list[TokenLogprob] | None = [] if request.params.logprobs is not None else None
-        self.pending_incidents: list[Incident] = []
-        self.handoff_started: tuple[float, str, int, int, bool] | None = None
-        self.t0 = clock()
-        self.timings: dict[str, float] = {}
-        self.step_ms: list[float] = []
-        self.last_accept: float | None = None
         self.top1: list[float] = []  # the current remote rung's top-1 logprobs (its `diffuse` check)
         self.drawn: list[float] = []  # its logprobs of the tokens it drew (the standby's `verify` check)
         self.unchecked = False  # the answer's first tokens await the standby's check: none released
         self.pending_hazard: Hazard | None = None  # the repetition hazard awaiting verification
         self.pending_row_argmax: int | None = None
         self.done: GenerationResult | None = None
-        self.left_at = self.t0  # when the last hazard (or policy move) decided to leave the rung
+        self.left_at = self.rec.t0  # when the last hazard (or policy move) decided to leave the rung
 
     # -- what drivers read ---------------------------------------------------------------------
     @property
@@ -247,15 +235,11 @@ class RequestMachine:
 
     def _accept(self, token: int, lp: TokenLogprob | None) -> Action:
         now = self.clock()
-        if "ttft_ms" not in self.timings:
-            self.timings["ttft_ms"] = (now - self.t0) * 1e3
-            self.timings.setdefault("prefill_ms", self.timings["ttft_ms"])
-        self.close_handoff(now)
+        self.rec.first_output(now)
+        self.rec.close_handoff(now, self.step)
         if token in self.eos_ids and not self.params.ignore_eos:
             return self._end(FinishReason.STOP)
-        if self.last_accept is not None:
-            self.step_ms.append((now - self.last_accept) * 1e3)
-        self.last_accept = now
+        self.rec.token(now)
         self.stream.push(int(token))
         self.token_rungs.append(self.rungs[self.rung])
         if self.logprobs is not None:
@@ -266,7 +250,7 @@ class RequestMachine:
             return Done(self.finish(FinishReason.STOP))
         if self.step >= self.params.max_tokens or len(self.context) >= self.n_ctx[self.rung]:
             return self._end(FinishReason.LENGTH)
-        action = self.config.policy.on_token(self.rung, self.streak, len(self.handoffs))
+        action = self.config.policy.on_token(self.rung, self.streak, len(self.rec.handoffs))
         if isinstance(action, HandoffAction):
             self.left_at = self.clock()
             return MoveTo(action.to, poisoned=False)
@@ -289,7 +273,7 @@ class RequestMachine:
     def on_hazard(self, hazard: Hazard, row: torch.Tensor | None) -> Action:
         """Drop the step; record the hazard; ask the policy (a repetition first asks the next rung)."""
         self.left_at = now = self.clock()  # the handoff's latency counts from here
-        self.close_handoff(now)  # a handoff whose new rung failed before its first token
+        self.rec.close_handoff(now, self.step)  # a handoff whose new rung failed before its first token
         if hazard.check == "verify":  # the standby refused token `step`: continue from the ones before it
             self.rollback_unreleased(hazard.step)
         elif hazard.check == "diffuse" or self.unchecked:  # suspect, or never checked: roll back what was held
@@ -312,10 +296,10 @@ class RequestMachine:
 
     def decide(self, hazard: Hazard, reproduced: bool | None) -> Action:
         policy = self.config.policy
-        action = policy.on_hazard(hazard, self.rung, len(self.rungs), len(self.handoffs), reproduced)
+        action = policy.on_hazard(hazard, self.rung, len(self.rungs), len(self.rec.handoffs), reproduced)
         label = (f"handoff:{self.rungs[action.to]}" if isinstance(action, HandoffAction)
                  else f"stop:{action.reason}")
-        self.pending_incidents.append(Incident(
+        self.rec.incident(Incident(
             self.request_id, prompt_hash(self.prompt), self.prompt, self.req.prompt_text, hazard, label, None,
             [str(f) for f in self.req.faults], time.time()))
         if isinstance(action, Stop):
@@ -333,34 +317,12 @@ class RequestMachine:
 
     def moved(self, to: int, started: float, caught: int, warm: bool) -> None:
         """The driver carried out a move: rung `to` holds the context (it evaluated `caught` ids)."""
-        self.handoff_started = (started, self.rungs[self.rung], to, caught, warm)
+        self.rec.open_handoff(started, self.rungs[self.rung], self.rungs[to], caught, warm)
         self.rung, self.streak = to, 0
         self.top1.clear()
         self.drawn.clear()
         self.unchecked = False
         self.stream.hold = 0
-
-    def close_handoff(self, now: float) -> None:
-        if self.handoff_started is None:
-            return
-        started, from_name, j, caught, warm = self.handoff_started
-        self.handoff_started = None
-        latency_ms = (now - started) * 1e3
-        h = Handoff(from_name, self.rungs[j], self.step, latency_ms, caught, warm)
-        self.handoffs.append(h)
-        self.emit(HandoffEvent(self.request_id, h))
-        self.flush_incidents(latency_ms)
-
-    def flush_incidents(self, latency_ms: float | None) -> None:
-        pending, self.pending_incidents = self.pending_incidents, []
-        for inc in pending:
-            inc.handoff_latency_ms = latency_ms if inc.action.startswith("handoff") else None
-            if self.incidents is not None:
-                try:
-                    self.incidents(inc)
-                except Exception:  # a failing store must not fail the answer; the log keeps the record
-                    _log.exception("incident store failed; the incident: %s",
-                                   json.dumps(inc.to_dict(), default=str, ensure_ascii=True))
 
     # -- endings ---------------------------------------------------------------------------------
     def withhold_loop(self) -> None:
@@ -378,19 +340,19 @@ class RequestMachine:
         emit the final event. Idempotent."""
         if self.done is not None:
             return self.done
-        self.close_handoff(self.clock())
+        self.rec.close_handoff(self.clock(), self.step)
         self.withhold_loop()
         self.release(final=True)
         ids = self.stream.final_ids
         text = self.stream.text
         if fallback and not ids:
             text = FALLBACK_TEXT
-        self.timings["total_ms"] = (self.clock() - self.t0) * 1e3
-        self.flush_incidents(None)
+        self.rec.total()
+        self.rec.flush(None)
         self.done = GenerationResult(text=text, token_ids=list(ids), token_rungs=self.token_rungs[:len(ids)],
                                      finish_reason=reason, prompt_tokens=len(self.prompt),
-                                     hazards=list(self.hazards), handoffs=list(self.handoffs),
-                                     fallback=fallback, timings=dict(self.timings), step_ms=self.step_ms,
+                                     hazards=list(self.hazards), handoffs=list(self.rec.handoffs),
+                                     fallback=fallback, timings=dict(self.rec.timings), step_ms=self.rec.step_ms,
                                      logprobs=self.logprobs[:len(ids)] if self.logprobs is not None else None)
         self.emit(FinalEvent(self.request_id, self.done))
         return self.done

@@ -1,0 +1,90 @@
+"""What one request leaves on record, apart from its answer: timings, handoffs and incidents.
+
+The machine calls it; a driver reads it through the machine (`m.rec`), and writes only
+`rec.timings["prefill_ms"]` where it timed a real prefill (the in-process ladder; the served
+paths have no prefill of their own: it counts as the time to the first token).
+
+- timings: ttft_ms (the first accepted token, EOS included), prefill_ms, total_ms, and the gap
+  between consecutive accepted tokens (`step_ms`);
+- a handoff opens when a driver has carried out a move (`open_handoff`) and closes at the new
+  rung's first accepted token, or at its first hazard (`close_handoff`): its latency runs from
+  the moment the old rung was left to then;
+- incidents wait for their handoff's latency and are then written to the sink; a failing sink
+  never fails the answer: the log keeps the record as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+
+from qladder.incidents import Incident, IncidentSink
+from qladder.types import Event, Handoff, HandoffEvent
+
+_log = logging.getLogger("qladder.incidents")
+
+
+class Recorder:
+    """One request's records. Owned by the thread that owns its machine."""
+
+    def __init__(self, request_id: str, incidents: IncidentSink | None, emit: Callable[[Event], None],
+                 clock: Callable[[], float]):
+        self.request_id = request_id
+        self.incidents = incidents
+        self.emit = emit
+        self.clock = clock
+        self.t0 = clock()
+        self.timings: dict[str, float] = {}
+        self.step_ms: list[float] = []
+        self.handoffs: list[Handoff] = []
+        self._last_accept: float | None = None
+        self._open: tuple[float, str, str, int, bool] | None = None  # started, from, to, caught, warm
+        self._pending: list[Incident] = []
+
+    # -- timings -----------------------------------------------------------------------------
+    def first_output(self, now: float) -> None:
+        """A token was accepted (or ended the answer): the first one sets the time to it."""
+        if "ttft_ms" not in self.timings:
+            self.timings["ttft_ms"] = (now - self.t0) * 1e3
+            self.timings.setdefault("prefill_ms", self.timings["ttft_ms"])
+
+    def token(self, now: float) -> None:
+        """A token joined the answer: the gap since the previous one."""
+        if self._last_accept is not None:
+            self.step_ms.append((now - self._last_accept) * 1e3)
+        self._last_accept = now
+
+    def total(self) -> None:
+        self.timings["total_ms"] = (self.clock() - self.t0) * 1e3
+
+    # -- handoffs and incidents ----------------------------------------------------------------
+    def open_handoff(self, started: float, from_rung: str, to_rung: str, caught: int, warm: bool) -> None:
+        self._open = (started, from_rung, to_rung, caught, warm)
+
+    def close_handoff(self, now: float, step: int) -> None:
+        """The new rung gave its first token (or failed before it): the handoff's latency is known."""
+        if self._open is None:
+            return
+        started, from_rung, to_rung, caught, warm = self._open
+        self._open = None
+        latency_ms = (now - started) * 1e3
+        h = Handoff(from_rung, to_rung, step, latency_ms, caught, warm)
+        self.handoffs.append(h)
+        self.emit(HandoffEvent(self.request_id, h))
+        self.flush(latency_ms)
+
+    def incident(self, inc: Incident) -> None:
+        self._pending.append(inc)
+
+    def flush(self, latency_ms: float | None) -> None:
+        """Write the waiting incidents (a handoff's with its latency)."""
+        pending, self._pending = self._pending, []
+        for inc in pending:
+            inc.handoff_latency_ms = latency_ms if inc.action.startswith("handoff") else None
+            if self.incidents is not None:
+                try:
+                    self.incidents(inc)
+                except Exception:  # a failing store must not fail the answer; the log keeps the record
+                    _log.exception("incident store failed; the incident: %s",
+                                   json.dumps(inc.to_dict(), default=str, ensure_ascii=True))

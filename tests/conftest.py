@@ -105,7 +105,10 @@ def live_app(app) -> Iterator[str]:
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     try:
+        deadline = time.monotonic() + 60
         while not uv.started:
+            assert thread.is_alive(), f"uvicorn on port {port} exited before it started"
+            assert time.monotonic() < deadline, f"uvicorn on port {port} did not start within 60 s"
             time.sleep(0.05)
         yield f"http://127.0.0.1:{port}/v1"
     finally:

@@ -32,6 +32,17 @@ from qladder.types import (
 )
 
 
+class Clock:
+    """A clock that moves only when a test moves it (`clock.t += s`): breakers, quarantine and
+    deadlines on it do not depend on how busy the machine is."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 class FakeClient:
     def __init__(self, n_vocab: int = 49152, n_ctx: int = 2048, max_live: int = 1000,
                  allow_faults: bool = True, token_bytes: Callable[[Sequence[int]], bytes] | None = None):

@@ -154,13 +154,20 @@ def test_nan_fault_hands_off_and_continues_as_fp32_would(k):
     ("stall@step=2,s=0.3", "deadline"),
 ])
 def test_each_fault_is_caught_and_recorded_once(spec, check):
+    """On a fake clock that only the injected stall moves: a real step never overruns the 0.2 s
+    deadline however busy the machine, and the 0.3 s stall always does."""
     int4, fp32 = get_engine("int4"), get_engine("fp32")
     from qladder.health.guard import GuardConfig
 
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
     store = IncidentStore()
     cfg = LadderConfig(guard=GuardConfig(step_deadline_s=0.2))
-    r = Ladder([int4, fp32], cfg, incidents=store).generate(_chat(int4), SamplingParams(max_tokens=8),
-                                                             faults=[parse_fault(spec)])
+    r = Ladder([int4, fp32], cfg, incidents=store, clock=lambda: now[0], sleep=sleep).generate(
+        _chat(int4), SamplingParams(max_tokens=8), faults=[parse_fault(spec)])
     assert [h.check for h in r.hazards] == [check]
     assert r.hazards[0].step == 2 and r.token_rungs[:2] == ["int4", "int4"]
     assert set(r.token_rungs[2:]) == {"fp32"}

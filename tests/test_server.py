@@ -7,24 +7,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from typer.testing import CliRunner
 
-from qladder.peers.process import free_port
 from qladder.server.breaker import BreakerConfig
 from qladder.server.serve import build_server
 from qladder.server.topology import Topology
 
-from .conftest import get_engine
+from .conftest import get_engine, live_app
+from .fakes import Clock
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
+CLOCK = Clock()  # the breakers' and quarantine's: moved by the tests that need time to pass
 PROMPTS = ["Name three colors.", "What is 2+2?", "Write a haiku about rain.", "What is the capital of France?"]
 
 
@@ -35,22 +34,12 @@ def live(tmp_path_factory):
     t = dataclasses.replace(
         t, server=dataclasses.replace(t.server, allow_faults=True, incidents=str(db)),
         breaker=BreakerConfig(window_s=60, min_requests=4, max_hazard_rate=0.5, open_s=1.5, probes=2))
-    server = build_server(t, standby_engines=[get_engine("fp32")])
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    yield base, server
-    uv.should_exit = True
-    thread.join(timeout=30)
-    server.close()
+    server = build_server(t, clock=CLOCK, standby_engines=[get_engine("fp32")])
+    try:
+        with live_app(server.app) as v1:
+            yield v1.removesuffix("/v1"), server
+    finally:
+        server.close()
 
 
 @pytest.fixture
@@ -188,6 +177,7 @@ def test_a_client_that_disconnects_aborts_its_request(live):
 def test_breaker_opens_under_a_fault_burst_and_closes_after_recovery(live, client):
     base, server = live
     gw = server.gateway
+    CLOCK.t += 61  # past the breaker's 60 s window: the earlier tests' hazards no longer count
     burst = []
     for k in range(60):  # every request of the burst hits a NaN on INT4 (and is handed off)
         burst.append(f"Tell me about the number {k}.")
@@ -201,7 +191,7 @@ def test_breaker_opens_under_a_fault_burst_and_closes_after_recovery(live, clien
     assert r.headers["x-qladder-route"] == "breaker:int4" and r.headers["x-qladder-tokens-per-rung"].startswith("fp32")
     again = client.chat.completions.create(model=MODEL, messages=_chat(burst[0]), max_tokens=6, temperature=0)
     assert again.model_extra["qladder"]["pool"] == "standby"  # quarantined or breaker: never back on INT4 yet
-    time.sleep(1.6)  # open_s: then probes go to INT4 again
+    CLOCK.t += 1.6  # open_s: then probes go to INT4 again
     for p in PROMPTS[:2]:
         client.chat.completions.create(model=MODEL, messages=_chat(p), max_tokens=4, temperature=0)
     _wait(lambda: str(gw.breakers["int4"].mode) == "closed")

@@ -49,16 +49,28 @@ def test_sigterm_stops_admitting_drains_the_open_stream_and_exits_0(tmp_path):
 
         t = threading.Thread(target=stream)
         t.start()
-        assert started.wait(60)
+        assert started.wait(60), "the stream sent nothing in 60 s"
+        at_signal = len(lines)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        with pytest.raises(httpx.TransportError):  # the listening socket is closed: nothing new is admitted
-            httpx.post(f"{base}/v1/chat/completions", json={**body, "stream": False}, timeout=5)
+        deadline = time.monotonic() + 30
+        while True:  # the listening socket closes: nothing new is admitted
+            try:
+                refused = httpx.post(f"{base}/v1/chat/completions", json={**body, "stream": False},
+                                     timeout=5).status_code == 503  # draining, as the gateway says it
+            except httpx.TransportError:
+                refused = True  # as the closed socket says it
+            if refused:
+                break
+            assert time.monotonic() < deadline, "still admitting requests 30 s after SIGTERM"
+            time.sleep(0.05)
         t.join(120)
+        assert not t.is_alive(), "the open stream did not end within 120 s of the drain"
         assert proc.wait(60) == 0
     finally:
         _end(proc)
     assert lines[-1] == "data: [DONE]"  # the in-flight answer was finished, not cut
+    # It was still streaming when the signal came (a drain, not an answer that had already ended).
+    assert len(lines) > at_signal + 8, (at_signal, len(lines))
     assert '"finish_reason":"length"' in next(x for x in reversed(lines) if "finish_reason\":\"" in x)
 
 

@@ -22,17 +22,10 @@ from qladder.server.serve import assemble
 from qladder.server.topology import PoolConfig, Topology, load_topology, parse_topology
 from qladder.types import FinalEvent, Hazard
 
-from .fakes import FakeClient
+from .fakes import Clock, FakeClient
 
 MODEL = "smollm2-135m-instruct"
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 # -- breaker ---------------------------------------------------------------------------------------------

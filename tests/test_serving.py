@@ -55,6 +55,13 @@ def _concurrently(fn, n):
     return out
 
 
+def _until(pred, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"waited {timeout_s:.0f} s for {what}"
+        time.sleep(0.01)
+
+
 def _fp32_greedy(ids, n):
     return greedy(get_engine("fp32"), ids, n)  # the validation harness's naive greedy loop
 
@@ -96,7 +103,7 @@ def test_an_aborted_request_frees_its_slot_for_the_next_within_one_step(served):
     got: list = []
     th = threading.Thread(target=lambda: got.append(se.generate_sync(waiting)))
     th.start()
-    time.sleep(0.3)  # the ninth request waits: every slot is taken
+    _until(lambda: se.stats()["queue_depth"] == 1, "the ninth request to wait for a slot (every slot taken)")
     vs.close()  # the client goes away: the generator aborts its request
     th.join(timeout=60)
     log = list(se.scheduler.slot_log)

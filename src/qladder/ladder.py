@@ -40,6 +40,8 @@ from qladder.sampling import SamplingParams
 from qladder.shadow import WarmShadow
 from qladder.types import GenerationResult, Hazard
 
+__all__ = ["Ladder", "LadderConfig"]
+
 if TYPE_CHECKING:
     from qladder.faults import Fault
 
@@ -52,8 +54,6 @@ def _gains(engine: Engine, faults: Sequence[Fault]) -> contextlib.AbstractContex
     from qladder.faults import engine_faults
 
     return engine_faults(engine, gains)
-
-__all__ = ["Ladder", "LadderConfig"]
 
 
 class Ladder:

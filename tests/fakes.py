@@ -1,7 +1,7 @@
 """Fakes over mocks: an EngineClient that answers at once, without a model.
 
-`FakeClient` keeps the EngineClient contract (tests/test_server_units.py runs the same contract
-test on it and on the real ServingEngine): it answers each request with its prompt's ids in
+`FakeClient` keeps the EngineClient contract (tests/test_client_contract.py runs the same contract
+suite on it and on the real ServingEngine): it answers each request with its prompt's ids in
 reverse order (capped at max_tokens), one TokenEvent per token, then the FinalEvent; a prompt
 with a fault spec gets a hazard and a handoff, like the real ladder; past `max_live` requests in
 flight it raises QueueFullError. Tests of the HTTP layer (fuzzing, 4xx mapping) run on it fast.

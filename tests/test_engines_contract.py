@@ -69,6 +69,7 @@ class TestEngineContract:
             s = engine.open(p)
             out = s.output()
             assert torch.equal(out.row, s.logits())
+            assert (out.stats is not None) == engine.computes_row_stats  # what the engine declares
             if out.stats is not None:
                 total, hi, lo = out.stats
                 assert hi == float(out.row.max()) and lo == float(out.row.min())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import threading
 import time
@@ -18,7 +17,7 @@ from qladder.model import user_prompt_ids
 from qladder.sampling import SamplingParams
 from qladder.serving import SchedulerConfig, ServingConfig, ServingEngine
 from qladder.stream import _complete
-from qladder.types import FinalEvent, FinishReason, HandoffEvent, TokenEvent
+from qladder.types import FinalEvent, FinishReason, TokenEvent
 from qladder.validate.replay import greedy
 
 from .conftest import get_engine
@@ -151,23 +150,6 @@ def test_an_answer_cut_inside_a_multibyte_character_never_ends_in_replacement(se
     assert not r.text.endswith("\ufffd")
     assert r.text == se.int4.detokenize_bytes(r.token_ids).decode("utf-8")
     assert len(r.token_ids) < cuts[0]  # the partial character's tokens were dropped
-
-
-def test_async_events_add_up_to_the_final_result(served):
-    se, _ = served
-    req = se.request(_ids(se, "Name three colors."), SamplingParams(max_tokens=16),
-                     faults=[parse_fault("zero@step=3")])
-
-    async def collect():
-        return [ev async for ev in se.generate(req)]
-
-    events = asyncio.run(collect())
-    final = events[-1]
-    assert isinstance(final, FinalEvent)
-    toks = [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
-    text = "".join(e.text for e in events if isinstance(e, TokenEvent))
-    assert toks == final.result.token_ids and text == final.result.text
-    assert any(isinstance(e, HandoffEvent) for e in events)
 
 
 def test_a_full_queue_is_a_typed_error_and_faults_need_the_operator(served):

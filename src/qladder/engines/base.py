@@ -96,6 +96,9 @@ class Engine(Protocol):
     n_vocab: int
     eos_ids: frozenset[int]
     monitor_is_cheap: bool  # whether activation peaks may be taken every step (torch hooks: yes)
+    # whether instrument(_, row_stats=True) makes output() carry the row's (sum, max, min),
+    # computed with its copy (llama.cpp's native helper); False: the guard reduces the row itself
+    computes_row_stats: bool
 
     @property
     def fingerprint(self) -> str:

@@ -188,6 +188,11 @@ class LlamaCppEngine(LlamaVocabMixin):
         self._owner: LlamaCppSession | None = None
         self._cvec: np.ndarray | None = None
 
+    @property
+    def computes_row_stats(self) -> bool:
+        """With the native helpers, the row's stats come with its copy."""
+        return self.monitor is not None
+
     def instrument(self, activations: bool, row_stats: bool) -> None:
         self.monitor_activations(activations)
         self.guard_row_stats(row_stats)

@@ -22,6 +22,7 @@ class ScriptedEngine:
     """Tokens are characters: id i is chr(ord('a') + i) for a small vocabulary."""
 
     monitor_is_cheap = True  # nothing to monitor
+    computes_row_stats = False
 
     def __init__(
         self,

@@ -72,6 +72,7 @@ class TorchEngine:
     """A torch rung. One thread by default (see config.Settings)."""
 
     monitor_is_cheap = True  # forward hooks writing into a preallocated tensor
+    computes_row_stats = False  # torch reduces the row fast enough: the guard does it
 
     def __init__(self, info: ModelInfo, rung: str, cache_dir: Path, n_ctx: int = 2048, n_threads: int = 1):
         if rung not in DTYPES:

@@ -298,20 +298,21 @@ def test_a_remote_rung_holds_a_window_back_and_a_diffused_one_is_rolled_back_who
     from qladder.client import Request
     from qladder.health.remote import RemoteToken
     from qladder.machine import LadderConfig, MoveTo, RequestMachine
+    from qladder.serving.remote_visit import RemoteVisit
 
     events = []
     cfg = LadderConfig(guard=GuardConfig(diffuse_window=4, diffuse_logprob=-2.0))
     m = RequestMachine(Request("r", (1, 2, 3)), ["llama-server", "vllm"], [512, 512], frozenset({0}),
                        lambda ids: b"".join(b"%d " % i for i in ids), cfg, StepGuard(cfg.guard), emit=events.append)
-    m.hold_for_remote()
+    visit = RemoteVisit(m)
     assert m.stream.hold == 3
     for t, lp in ((10, -0.1), (11, -0.2), (12, -0.1), (13, -0.3), (14, -0.2)):  # confident: released 3 behind
-        assert m.judge_remote(RemoteToken(t, lp, None, ((t, lp),)), 0.01, 49152, None) is None
+        assert visit.judge(RemoteToken(t, lp, None, ((t, lp),)), 0.01, 49152, None) is None
         m.accept_token(t)
     assert m.stream.released == 2 and m.accepted == [10, 11, 12, 13, 14]
     h = None
     for t in (15, 16, 17):  # the distribution diffuses: the window [14..17] averages under -2.0
-        h = m.judge_remote(RemoteToken(t, -3.0, None, ((t, -3.0),)), 0.01, 49152, None)
+        h = visit.judge(RemoteToken(t, -3.0, None, ((t, -3.0),)), 0.01, 49152, None)
         if h is not None:
             break
         m.accept_token(t)
@@ -338,24 +339,25 @@ def _draft_machine(max_tokens: int = 16):
     from qladder.client import Request
     from qladder.machine import LadderConfig, RequestMachine
     from qladder.sampling import SamplingParams
+    from qladder.serving.remote_visit import RemoteVisit
 
     events = []
     cfg = LadderConfig(guard=GuardConfig(diffuse_window=4, diffuse_logprob=-2.0))
     m = RequestMachine(Request("r", (1, 2, 3), SamplingParams(max_tokens=max_tokens)), ["llama-server", "vllm"],
                        [512, 512], frozenset({0}), lambda ids: b"".join(b"%d " % i for i in ids), cfg,
                        StepGuard(cfg.guard), emit=events.append)
-    m.hold_for_remote()
-    m.await_draft_check(5)
-    return m, events
+    visit = RemoteVisit(m)
+    visit.await_draft_check(5)
+    return visit, events
 
 
-def _feed(m, tokens):
+def _feed(visit, tokens):
     from qladder.health.remote import RemoteToken
 
     action = None
     for t in tokens:
-        assert m.judge_remote(RemoteToken(t, -0.1, None, ((t, -0.1),)), 0.01, 49152, None) is None
-        action = m.accept_token(t)
+        assert visit.judge(RemoteToken(t, -0.1, None, ((t, -0.1),)), 0.01, 49152, None) is None
+        action = visit.m.accept_token(t)
     return action
 
 
@@ -363,10 +365,11 @@ def test_a_draft_awaiting_the_standby_is_held_whole_and_a_refusal_keeps_the_toke
     from qladder.machine import MoveTo
     from qladder.types import Hazard, TokenEvent
 
-    m, events = _draft_machine()
-    _feed(m, [10, 11, 12, 13, 14])  # the pool checks the draft here, at 5 tokens
+    visit, events = _draft_machine()
+    m = visit.m
+    _feed(visit, [10, 11, 12, 13, 14])  # the pool checks the draft here, at 5 tokens
     assert m.unchecked and m.stream.released == 0 and not [e for e in events if isinstance(e, TokenEvent)]
-    assert m.drawn == [-0.1] * 5
+    assert visit.drawn == [-0.1] * 5
     action = m.on_hazard(Hazard("verify", "llama-server", 2, 12.0, 8.0), None)
     assert isinstance(action, MoveTo) and action.rung == 1
     assert m.context == [1, 2, 3, 10, 11] and not m.unchecked  # the standby continues after the passed ones
@@ -376,19 +379,20 @@ def test_a_passed_draft_is_released_as_a_remote_rung_releases_and_an_early_end_w
     from qladder.machine import Confirm
     from qladder.types import FinishReason, TokenEvent
 
-    m, events = _draft_machine()
-    _feed(m, [10, 11, 12, 13, 14])
-    m.draft_checked()
+    visit, events = _draft_machine()
+    m = visit.m
+    _feed(visit, [10, 11, 12, 13, 14])
+    visit.draft_checked()
     assert not m.unchecked and m.stream.hold == 3 and m.stream.released == 2
     assert [e.token_ids for e in events if isinstance(e, TokenEvent)] == [[10, 11]]
 
     short, _ = _draft_machine(max_tokens=3)
     action = _feed(short, [10, 11, 12])  # the length ends it inside the draft: the check comes first
-    assert isinstance(action, Confirm) and action.reason is FinishReason.LENGTH and short.done is None
+    assert isinstance(action, Confirm) and action.reason is FinishReason.LENGTH and short.m.done is None
     eos = _feed(_draft_machine()[0], [10, 0])
     assert isinstance(eos, Confirm) and eos.reason is FinishReason.STOP
     short.draft_checked()
-    assert short.finish(action.reason).token_ids == [10, 11, 12]
+    assert short.m.finish(action.reason).token_ids == [10, 11, 12]
 
 
 def test_row_faults_corrupt_from_their_step_on_and_stall_once():

@@ -20,7 +20,6 @@ engine, so one machine can move between threads (an ownership transfer, never sh
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +29,6 @@ import torch
 from qladder.client import Request
 from qladder.engines.base import StepOutput
 from qladder.health.guard import GUARD_PRESETS, GuardConfig, StepGuard
-from qladder.health.remote import RemoteToken, check_remote
 from qladder.health.repetition import loop_start
 from qladder.incidents import Incident, IncidentSink, prompt_hash
 from qladder.policy import Handoff as HandoffAction
@@ -83,7 +81,7 @@ class Done:
 @dataclass(frozen=True)
 class Confirm:
     """The answer would end (EOS or length) while its first tokens await the standby's check
-    (`await_draft_check`, remote pool only): the driver checks them, then `finish(reason)`."""
+    (`await_check`, remote pool only): the driver checks them, then `finish(reason)`."""
 
     reason: FinishReason
 
@@ -142,8 +140,6 @@ class RequestMachine:
         self.rung = request.start_rung
         self.streak = 0
         self.logprobs: list[TokenLogprob] | None = [] if request.params.logprobs is not None else None
-        self.top1: list[float] = []  # the current remote rung's top-1 logprobs (its `diffuse` check)
-        self.drawn: list[float] = []  # its logprobs of the tokens it drew (the standby's `verify` check)
         self.unchecked = False  # the answer's first tokens await the standby's check: none released
         self.pending_hazard: Hazard | None = None  # the repetition hazard awaiting verification
         self.pending_row_argmax: int | None = None
@@ -184,42 +180,20 @@ class RequestMachine:
                                detail=f"step took {took_s * 1e3:.0f} ms")
         return row, self.guard.check(row, self.stream.ids, name, peaks, limit, rest, stats)
 
-    def judge_remote(self, tok: RemoteToken, took_s: float, n_vocab: int, expected_bytes: bytes | None
-                     ) -> Hazard | None:
-        """The verdict on a token a remote rung sampled and streamed (see health/remote.py); the
-        remote pool applies a request's injected faults to the token before (faults.TokenFaults)."""
-        name = self.rungs[self.rung]
-        deadline = self.config.guard.step_deadline_s
-        if took_s > deadline:
-            return Hazard("deadline", name, self.step, took_s, deadline,
-                          detail=f"the next token took {took_s * 1e3:.0f} ms")
-        hazard = check_remote(self.guard, tok, self.stream.ids, name, n_vocab, expected_bytes, self.top1,
-                              self.rung + 1 < len(self.rungs))
-        if hazard is None:
-            finite = [v for v in (tok.logprob, *(v for _, v in tok.top)) if v is not None and math.isfinite(v)]
-            best = max(finite, default=float("nan"))
-            self.top1.append(best)
-            own = tok.logprob
-            self.drawn.append(own if own is not None and math.isfinite(own) else best)
-        return hazard
+    def hold(self, n: int) -> None:
+        """Keep the last `n` accepted tokens unreleased (a window a later check may roll back whole)."""
+        self.stream.hold = n
 
-    def hold_for_remote(self) -> None:
-        """Streaming from a remote rung with a rung above it: keep the last `diffuse_window - 1`
-        tokens unreleased, so that a window the `diffuse` check refuses is rolled back whole."""
-        g = self.config.guard
-        climb = self.rung + 1 < len(self.rungs)
-        self.stream.hold = g.diffuse_window - 1 if climb and g.check_logits and g.diffuse_logprob is not None else 0
-
-    def await_draft_check(self, n: int) -> None:
-        """The remote pool will have this rung's first `n` tokens checked by the rung above before
-        any is released (`check_draft`): hold them all until `draft_checked`."""
+    def await_check(self, n: int) -> None:
+        """The answer's first `n` tokens await a check by the rung above: none is released until
+        `check_passed`; an answer that would end first ends in `Confirm` (the driver checks)."""
         self.unchecked = True
         self.stream.hold = max(self.stream.hold, n)
 
-    def draft_checked(self) -> None:
-        """The standby passed the draft (or could not say): release as a remote rung does."""
+    def check_passed(self, hold: int) -> None:
+        """The check passed (or could not say): release all but the last `hold` tokens."""
         self.unchecked = False
-        self.hold_for_remote()
+        self.stream.hold = hold
         self.release()
 
     def accept_token(self, token: int, logprob: TokenLogprob | None = None) -> Action:
@@ -319,8 +293,6 @@ class RequestMachine:
         """The driver carried out a move: rung `to` holds the context (it evaluated `caught` ids)."""
         self.rec.open_handoff(started, self.rungs[self.rung], self.rungs[to], caught, warm)
         self.rung, self.streak = to, 0
-        self.top1.clear()
-        self.drawn.clear()
         self.unchecked = False
         self.stream.hold = 0
 

@@ -6,7 +6,8 @@ remote rung (a `RequestMachine` is handed to the loop by `submit`, and away from
 `forward`: one owner at a time). Per request, on remote rung j:
 
     stream = rungs[j].stream(context ids, params, tokens left)       (engines/remote*.py)
-    each token: m.judge_remote(token, logprob, top-k, bytes, gap) -> hazard?
+    each token: visit.judge(token, logprob, top-k, bytes, gap) -> hazard?  (remote_visit.py:
+                the visit's top-1 window and drawn logprobs; a faulted request's TokenFaults first)
        ok     -> m.accept_token (released to the client; stop strings, EOS, length as in-process)
        hazard -> the stream is closed (the server stops decoding it), the bad token never
                  released, and the context (prompt + accepted ids) moves to the next rung: on
@@ -41,6 +42,7 @@ from qladder.health.remote import RemoteToken, check_draft
 from qladder.machine import Action, Confirm, Done, MoveTo, RequestMachine, Verify
 from qladder.sampling import SamplingParams, TokenLogprob
 from qladder.serving.aborts import AbortRegistry
+from qladder.serving.remote_visit import RemoteVisit
 from qladder.types import FinishReason, Hazard
 
 if TYPE_CHECKING:
@@ -240,10 +242,10 @@ class RemotePool:
         Hazard (the stream is closed on return: the server stops this request); or a policy move."""
         deadline = m.config.guard.step_deadline_s
         faults = _token_faults(m) if j == 0 else None  # step faults hit the rung under test only
-        m.hold_for_remote()
+        visit = RemoteVisit(m)
         n_check = self._draft_size(m, j)
         if n_check:
-            m.await_draft_check(n_check)
+            visit.await_draft_check(n_check)
         stream = rung.stream(self._client, m.context, m.params, max(1, m.params.max_tokens - m.step))  # type: ignore[arg-type]
         async with contextlib.aclosing(stream) as items:
             last = self.clock()
@@ -270,7 +272,7 @@ class RemotePool:
                     first = False
                     self._set_healthy(j, True)
                 if isinstance(item, RemoteEnd):
-                    if m.unchecked and (refused := await self._check_draft(m, j)) is not None:
+                    if m.unchecked and (refused := await self._check_draft(visit, j)) is not None:
                         return refused
                     m.finish(FinishReason.LENGTH if item.length else FinishReason.STOP)
                     return None
@@ -284,7 +286,7 @@ class RemotePool:
                         item, took = faults.token(item, took, m.step, rung.n_vocab)
                     except EngineError as exc:
                         return self._error(m, str(exc))
-                hazard = m.judge_remote(item, took, rung.n_vocab, expected)
+                hazard = visit.judge(item, took, rung.n_vocab, expected)
                 if hazard is not None:
                     if hazard.check == "deadline":
                         self.stalls += 1
@@ -292,7 +294,7 @@ class RemotePool:
                 lp = _logprob(item, m.params.logprobs) if m.logprobs is not None else None
                 action = m.accept_token(t, lp)
                 if m.unchecked and (isinstance(action, Confirm | MoveTo | Verify) or m.step >= n_check):
-                    if (refused := await self._check_draft(m, j)) is not None:
+                    if (refused := await self._check_draft(visit, j)) is not None:
                         return refused
                     last = self.clock()  # the server kept decoding meanwhile: the gap restarts here
                 if isinstance(action, Confirm):
@@ -315,17 +317,18 @@ class RemotePool:
             return 0
         return g.verify_tokens
 
-    async def _check_draft(self, m: RequestMachine, j: int) -> Hazard | None:
+    async def _check_draft(self, visit: RemoteVisit, j: int) -> Hazard | None:
         """Score the held draft on rung j + 1 (one prefill); the refusal, or None (released)."""
         assert self._client is not None
+        m = visit.m
         above, draft, g = self.rungs[j + 1], m.accepted, m.config.guard
-        own = m.drawn[:len(draft)]
+        own = visit.drawn[:len(draft)]
         if not draft:  # an answer that ended at once: nothing to score or release
-            m.draft_checked()
+            visit.draft_checked()
             return None
         if not self._suspect(m, j, own):
             self.checks["confident"] += 1
-            m.draft_checked()
+            visit.draft_checked()
             return None
         try:
             lps = await asyncio.wait_for(above.score(self._client, m.prompt, draft), self.config.check_timeout_s)
@@ -333,12 +336,12 @@ class RemotePool:
             _log.warning("request %s: %s could not check its draft (%r); released unchecked",
                          m.request_id, above.name, exc)
             self.checks["unchecked"] += 1
-            m.draft_checked()
+            visit.draft_checked()
             return None
         refused = check_draft(draft, own, lps, m.rungs[m.rung], above.name, g.verify_gap)
         self.checks["refused" if refused else "passed"] += 1
         if refused is None:
-            m.draft_checked()
+            visit.draft_checked()
         return refused
 
     def _suspect(self, m: RequestMachine, j: int, own: list[float]) -> bool:

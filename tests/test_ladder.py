@@ -16,6 +16,7 @@ from qladder.model import user_prompt_ids
 from qladder.policy import LadderPolicy
 from qladder.sampling import SamplingParams
 from qladder.types import FALLBACK_TEXT, FinishReason
+from qladder.validate.replay import greedy
 
 from .conftest import get_engine
 
@@ -42,8 +43,6 @@ def test_write_up_example_without_backup_gives_the_safe_fallback():
 def test_a_finished_answer_runs_no_forward_pass_past_its_last_token():
     """n tokens cost the prefill and n - 1 pushes: the last token is never pushed, on the ladder
     and on the bare greedy loop alike, so neither pays for a row nobody reads."""
-    from qladder.validate.replay import greedy
-
     def cycle(ids):
         row = [0.0] * 8
         row[1 + len(ids) % 7] = 9.0  # a 7-token cycle: no loop hazard within 5 tokens
@@ -117,19 +116,6 @@ def _chat(engine, text="Write one sentence about the sea."):
     return user_prompt_ids(inspect_model().chat_template, text, engine.tokenize)
 
 
-def _greedy_from(engine, ids, n, eos):
-    s = engine.open(ids)
-    out = []
-    for _ in range(n):
-        t = int(s.logits().argmax())
-        if t in eos:
-            break
-        out.append(t)
-        s.push(t)
-    s.close()
-    return out
-
-
 @pytest.mark.parametrize("k", [0, 1, 5])
 def test_nan_fault_hands_off_and_continues_as_fp32_would(k):
     int4, fp32 = get_engine("int4"), get_engine("fp32")
@@ -143,7 +129,7 @@ def test_nan_fault_hands_off_and_continues_as_fp32_would(k):
     assert store.count() == 1 and len(r.handoffs) == 1 and r.handoffs[0].step == k
     # Nothing from step k was emitted: the rest is what fp32 generates fed the same prefix.
     prefix = r.token_ids[:k]
-    rest = _greedy_from(fp32, prompt + prefix, 16 - k, fp32.eos_ids)
+    rest = greedy(fp32, prompt + prefix, 16 - k)  # the validation harness's naive greedy loop
     assert rest and r.token_ids[k:] == rest  # a continuation to compare, not an empty tail
 
 

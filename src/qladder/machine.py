@@ -101,7 +101,8 @@ def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
     """One step, the same for every driver that holds a row: judge what the engine gave, then
     accept a token or act on the hazard. `took_s` is the step's time as the driver measured it
     (0.0 where a watchdog keeps the deadline); `native_argmax` is the engine's own greedy token
-    for `out.row`, taken only for a greedy request whose row no fault replaced."""
+    for `out.row` (a driver passes it only for a row that no fault replaced), taken only for a
+    greedy request."""
     if isinstance(out, StepFailed):
         row, hazard = m.judge(None, None, None, None, None, 0.0, error=out.error)
     else:
@@ -109,8 +110,8 @@ def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
     if hazard is not None:
         return m.on_hazard(hazard, row)
     assert row is not None
-    greedy = native_argmax is not None and m.params.greedy and not isinstance(out, StepFailed) and row is out.row
-    return m.accept_row(row, native_argmax() if greedy and native_argmax is not None else None)
+    token = native_argmax() if native_argmax is not None and m.params.greedy else None
+    return m.accept_row(row, token)
 
 
 class RequestMachine:

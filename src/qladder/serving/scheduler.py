@@ -25,6 +25,7 @@ again; until a probe succeeds the pool is unhealthy (`healthy` is False).
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -350,14 +351,18 @@ class Int4Scheduler:
             peaks, rest = eng.peaks(s.slot) if monitored else (None, None)
             out = StepOutput(eng.row(s.slot), eng.row_stats(s.slot), peaks, rest,
                              eng.activation_limit if monitored else None)
-            if s.faults is not None:  # test machinery: the row as the request's faults make it
-                try:
-                    out = s.faults.output(out, m.step)
-                except EngineError as exc:
-                    out = StepFailed(str(exc))
-        # The deadline is the watchdog's (took_s 0); greedy on an unfaulted row takes the native
+        native: Callable[[], int] | None = functools.partial(eng.argmax, s.slot)
+        if s.faults is not None and isinstance(out, StepOutput):  # test machinery: the row as the faults make it
+            try:
+                faulted = s.faults.output(out, m.step)
+            except EngineError as exc:
+                out, native = StepFailed(str(exc)), None
+            else:
+                if faulted is not out:  # a replaced row: the engine's argmax is of the one it replaced
+                    out, native = faulted, None
+        # The deadline is the watchdog's (took_s 0); greedy on the engine's own row takes its native
         # argmax (first maximum, as torch's), ~25 us less than torch's.
-        action = step(m, out, 0.0, lambda: eng.argmax(s.slot))
+        action = step(m, out, 0.0, native)
         if isinstance(action, Continue):
             s.feed = [m.accepted[-1]]
             return

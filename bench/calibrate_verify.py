@@ -42,8 +42,8 @@ from qladder.validate.gguf_patch import corrupt_gguf_scale, glitch_gguf
 
 GAPS = (4.0, 5.0, 6.0, 8.0, 10.0, 12.0)
 SUSPECT = (-0.5, -0.75, -1.0, -1.25, -1.5)  # candidate bounds on the draft's mean own logprob
-GAP = 5.0  # the bound chosen (GuardConfig.verify_gap)
-MAX_CONTEXT = 512  # GuardConfig.verify_max_context
+GAP = 5.0  # the bound chosen (GuardConfig.draft.verify_gap)
+MAX_CONTEXT = 512  # GuardConfig.draft.verify_max_context
 GLITCH_CLASSES = ("emoji_zwj",)  # the sanitizer removes the others' glitch tokens before the gateway
 
 

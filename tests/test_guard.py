@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from qladder.faults import parse_fault
 from qladder.health import GUARD_PRESETS, GuardConfig, StepGuard, find_repetition
+from qladder.health.guard import RemoteChecks
 from qladder.policy import Continue, Handoff, LadderPolicy, Stop
 from qladder.types import FinishReason, Hazard
 
@@ -282,7 +283,7 @@ def test_remote_guard_checks_the_streamed_text_against_the_vocabulary():
 def test_remote_guard_sees_a_diffused_distribution_only_where_a_higher_rung_can_take_over():
     from qladder.health.remote import check_remote
 
-    g = StepGuard(GuardConfig(diffuse_window=4, diffuse_logprob=-2.0))
+    g = StepGuard(GuardConfig(remote=RemoteChecks(diffuse_window=4, diffuse_logprob=-2.0)))
     sure, unsure = [-0.3] * 3, [-2.5] * 3
     assert check_remote(g, _remote(-0.4), [1, 2, 3], "llama-server", 49152, None, sure, can_climb=True) is None
     h = check_remote(g, _remote(-2.6), [1, 2, 3], "llama-server", 49152, None, unsure, can_climb=True)
@@ -291,7 +292,7 @@ def test_remote_guard_sees_a_diffused_distribution_only_where_a_higher_rung_can_
     # before the first full window, the prefix mean has its own (lower) bound: diffuse_first_logprob
     assert check_remote(g, _remote(-2.6), [1], "llama-server", 49152, None, [-2.0], can_climb=True) is None
     early = check_remote(g, _remote(-3.0), [1], "llama-server", 49152, None, [-2.5], can_climb=True)
-    assert early is not None and early.check == "diffuse" and early.threshold == g.config.diffuse_first_logprob
+    assert early is not None and early.check == "diffuse" and early.threshold == g.config.remote.diffuse_first_logprob
 
 
 def test_a_remote_rung_holds_a_window_back_and_a_diffused_one_is_rolled_back_whole():
@@ -301,7 +302,7 @@ def test_a_remote_rung_holds_a_window_back_and_a_diffused_one_is_rolled_back_who
     from qladder.serving.remote_visit import RemoteVisit
 
     events = []
-    cfg = LadderConfig(guard=GuardConfig(diffuse_window=4, diffuse_logprob=-2.0))
+    cfg = LadderConfig(guard=GuardConfig(remote=RemoteChecks(diffuse_window=4, diffuse_logprob=-2.0)))
     m = RequestMachine(Request("r", (1, 2, 3)), ["llama-server", "vllm"], [512, 512], frozenset({0}),
                        lambda ids: b"".join(b"%d " % i for i in ids), cfg, StepGuard(cfg.guard), emit=events.append)
     visit = RemoteVisit(m)
@@ -342,7 +343,7 @@ def _draft_machine(max_tokens: int = 16):
     from qladder.serving.remote_visit import RemoteVisit
 
     events = []
-    cfg = LadderConfig(guard=GuardConfig(diffuse_window=4, diffuse_logprob=-2.0))
+    cfg = LadderConfig(guard=GuardConfig(remote=RemoteChecks(diffuse_window=4, diffuse_logprob=-2.0)))
     m = RequestMachine(Request("r", (1, 2, 3), SamplingParams(max_tokens=max_tokens)), ["llama-server", "vllm"],
                        [512, 512], frozenset({0}), lambda ids: b"".join(b"%d " % i for i in ids), cfg,
                        StepGuard(cfg.guard), emit=events.append)

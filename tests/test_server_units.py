@@ -175,8 +175,8 @@ def test_draft_check_setting_reaches_the_guard():
     def guard(value: str):
         return serving_config(parse_topology({"server": {"draft_check": value}}), Settings.from_env()).ladder.guard
 
-    assert guard("suspect").verify_tokens == 8 and guard("suspect").verify_suspect_logprob == -1.25
-    assert guard("all").verify_suspect_logprob is None and guard("off").verify_tokens == 0
+    assert guard("suspect").draft.verify_tokens == 8 and guard("suspect").draft.verify_suspect_logprob == -1.25
+    assert guard("all").draft.verify_suspect_logprob is None and guard("off").draft.verify_tokens == 0
 
 
 def test_a_remote_pool_needs_its_url_and_only_a_remote_rung_takes_one():

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +42,43 @@ SMOLLM2_IDENTITY = "Smollm2 135M 8k Lc100K Mix1 Ep2|llama|L30|D576|V49152|ft3"
 SMOLLM2_OUTLIER_LIMITS = (120.0, 650.0, 2000.0, 2000.0, 2000.0, 2000.0, 2000.0, 2000.0, 2000.0, 1310.0,
                           410.0, 390.0, 380.0, 420.0, 450.0, 400.0, 450.0, 410.0, 470.0, 530.0,
                           630.0, 660.0, 750.0, 910.0, 1170.0, 1300.0, 1390.0, 1760.0, 2000.0, 2000.0)
+
+
+@dataclass(frozen=True)
+class RemoteChecks:
+    """What only a remote rung's token checks read (health/remote.check_remote, the remote visit)."""
+
+    # Remote rungs with a rung above them: the server's own top-1 log-probability, averaged over
+    # the last `diffuse_window` tokens, under `diffuse_logprob` means the distribution has diffused
+    # (finite garbage, e.g. a corrupted weight, that no NaN check sees). bench/calibrate_diffuse.py, on
+    # the corpora's train half (bench/results/calibrate-diffuse-train-2026-12-01.json): clean answers'
+    # lowest window -2.12 over 157, none under the bound; the x1000 scale's highest -1.85, all 32 under.
+    diffuse_window: int = 8
+    diffuse_logprob: float | None = -2.2
+    # The answer's first 2..window-1 tokens (judged before the first full window): their mean
+    # under this bound. Clean answers reach -2.35 there, a corrupted scale's mostly under -2.5.
+    diffuse_first_logprob: float = -2.5
+
+
+@dataclass(frozen=True)
+class DraftCheck:
+    """What only the remote pool's draft check reads (serving/remote.py, health/remote.check_draft)."""
+
+    # A remote rung's first `verify_tokens` are scored by the rung above (where it can: vLLM) before
+    # any is released; a token the standby finds over e^verify_gap times less likely than the rung
+    # that drew it is refused (health/remote.check_draft; bench/calibrate_verify.py on the train half,
+    # bench/results/calibrate-verify-train-2026-12-01.json: clean normal answers' largest gap 0.20
+    # nats, 3 of 31 abnormal ones over 18; a corrupted scale's 42 of 43 drafts over 5, the glitch
+    # tokens' 4 of 4). 0: off.
+    verify_tokens: int = 8
+    verify_gap: float = 5.0
+    # vLLM (0.32, CPU) scores a prompt without its prefix cache, at a cost that grows with it: 0.19 s
+    # at 40 tokens, 0.7 s at 200, 2.9 s at 800, 8.9 s at 1,900 here. Longer prompts go unchecked.
+    verify_max_context: int = 512
+    # Which drafts are scored: those of a flagged input (the input defence changed it, or it holds
+    # byte-fallback tokens), and those whose mean logprob on their own rung is under this bound
+    # (the rung was unsure); the rest are released unscored. None: score every draft.
+    verify_suspect_logprob: float | None = -1.25
 
 
 @dataclass(frozen=True)
@@ -82,31 +119,8 @@ class GuardConfig:
     repetition_short_min_repeats: int = 6
     repetition_short_min_span: int = 12
     step_deadline_s: float = 2.0
-    # Remote rungs with a rung above them: the server's own top-1 log-probability, averaged over
-    # the last `diffuse_window` tokens, under `diffuse_logprob` means the distribution has diffused
-    # (finite garbage, e.g. a corrupted weight, that no NaN check sees). bench/calibrate_diffuse.py, on
-    # the corpora's train half (bench/results/calibrate-diffuse-train-2026-12-01.json): clean answers'
-    # lowest window -2.12 over 157, none under the bound; the x1000 scale's highest -1.85, all 32 under.
-    diffuse_window: int = 8
-    diffuse_logprob: float | None = -2.2
-    # The answer's first 2..window-1 tokens (judged before the first full window): their mean
-    # under this bound. Clean answers reach -2.35 there, a corrupted scale's mostly under -2.5.
-    diffuse_first_logprob: float = -2.5
-    # A remote rung's first `verify_tokens` are scored by the rung above (where it can: vLLM) before
-    # any is released; a token the standby finds over e^verify_gap times less likely than the rung
-    # that drew it is refused (health/remote.check_draft; bench/calibrate_verify.py on the train half,
-    # bench/results/calibrate-verify-train-2026-12-01.json: clean normal answers' largest gap 0.20
-    # nats, 3 of 31 abnormal ones over 18; a corrupted scale's 42 of 43 drafts over 5, the glitch
-    # tokens' 4 of 4). 0: off.
-    verify_tokens: int = 8
-    verify_gap: float = 5.0
-    # vLLM (0.32, CPU) scores a prompt without its prefix cache, at a cost that grows with it: 0.19 s
-    # at 40 tokens, 0.7 s at 200, 2.9 s at 800, 8.9 s at 1,900 here. Longer prompts go unchecked.
-    verify_max_context: int = 512
-    # Which drafts are scored: those of a flagged input (the input defence changed it, or it holds
-    # byte-fallback tokens), and those whose mean logprob on their own rung is under this bound
-    # (the rung was unsure); the rest are released unscored. None: score every draft.
-    verify_suspect_logprob: float | None = -1.25
+    remote: RemoteChecks = field(default_factory=RemoteChecks)  # read by a remote rung's checks only
+    draft: DraftCheck = field(default_factory=DraftCheck)  # read by the remote pool's draft check only
 
 
 GUARD_PRESETS: dict[str, GuardConfig] = {

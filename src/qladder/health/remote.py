@@ -74,10 +74,11 @@ def check_remote(guard: StepGuard, tok: RemoteToken, generated: Sequence[int], r
         if expected_bytes is not None and tok.token_bytes is not None and tok.token_bytes != expected_bytes:
             return Hazard("mismatch", rung, step, detail=f"token {tok.token_id}: the server sent "
                                                          f"{tok.token_bytes!r}, the vocabulary says {expected_bytes!r}")
-        w = c.diffuse_window
-        if can_climb and c.diffuse_logprob is not None and best is not None and len(top1) >= 1:
+        r = c.remote
+        w = r.diffuse_window
+        if can_climb and r.diffuse_logprob is not None and best is not None and len(top1) >= 1:
             recent = [*top1[max(0, len(top1) - (w - 1)):], best]
-            bound = c.diffuse_logprob if len(recent) >= w else c.diffuse_first_logprob  # a prefix
+            bound = r.diffuse_logprob if len(recent) >= w else r.diffuse_first_logprob  # a prefix
             mean = sum(recent) / len(recent)
             if mean < bound:
                 return Hazard("diffuse", rung, step, mean, bound,

@@ -44,9 +44,9 @@ def serving_config(t: Topology, settings: Settings) -> ServingConfig:
     int4, standby = t.int4, t.standby
     guard = GUARD_PRESETS[t.server.guard]
     if t.server.draft_check == "off":
-        guard = dataclasses.replace(guard, verify_tokens=0)
+        guard = dataclasses.replace(guard, draft=dataclasses.replace(guard.draft, verify_tokens=0))
     elif t.server.draft_check == "all":
-        guard = dataclasses.replace(guard, verify_suspect_logprob=None)
+        guard = dataclasses.replace(guard, draft=dataclasses.replace(guard.draft, verify_suspect_logprob=None))
     off = t.server.guard == "off"
     from qladder.policy import LadderPolicy
 

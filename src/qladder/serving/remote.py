@@ -309,13 +309,13 @@ class RemotePool:
         """How many first tokens of this answer on rung j the rung above checks (0: none)."""
         g = m.config.guard
         above = self.rungs.get(j + 1)
-        if (not g.check_logits or g.verify_tokens <= 0 or m.step > 0 or above is None
+        if (not g.check_logits or g.draft.verify_tokens <= 0 or m.step > 0 or above is None
                 or not above.can_score or not self.health[j + 1]):
             return 0
-        if len(m.prompt) > g.verify_max_context:
+        if len(m.prompt) > g.draft.verify_max_context:
             self.checks["skipped"] += 1
             return 0
-        return g.verify_tokens
+        return g.draft.verify_tokens
 
     async def _check_draft(self, visit: RemoteVisit, j: int) -> Hazard | None:
         """Score the held draft on rung j + 1 (one prefill); the refusal, or None (released)."""
@@ -338,7 +338,7 @@ class RemotePool:
             self.checks["unchecked"] += 1
             visit.draft_checked()
             return None
-        refused = check_draft(draft, own, lps, m.rungs[m.rung], above.name, g.verify_gap)
+        refused = check_draft(draft, own, lps, m.rungs[m.rung], above.name, g.draft.verify_gap)
         self.checks["refused" if refused else "passed"] += 1
         if refused is None:
             visit.draft_checked()
@@ -346,7 +346,7 @@ class RemotePool:
 
     def _suspect(self, m: RequestMachine, j: int, own: list[float]) -> bool:
         """Whether a draft is worth the standby's prefill: a flagged input, or an unsure rung."""
-        bound = m.config.guard.verify_suspect_logprob
+        bound = m.config.guard.draft.verify_suspect_logprob
         if bound is None or m.req.flagged:
             return True
         lone = self.rungs[j].lone_byte_ids

@@ -26,7 +26,8 @@ class RemoteVisit:
         self.drawn: list[float] = []  # its logprobs of the tokens it drew (the standby's `verify` check)
         g = m.config.guard
         self.climb = m.rung + 1 < len(m.rungs)
-        self.hold = g.diffuse_window - 1 if self.climb and g.check_logits and g.diffuse_logprob is not None else 0
+        r = g.remote
+        self.hold = r.diffuse_window - 1 if self.climb and g.check_logits and r.diffuse_logprob is not None else 0
         m.hold(self.hold)
 
     def judge(self, tok: RemoteToken, took_s: float, n_vocab: int, expected_bytes: bytes | None) -> Hazard | None:

@@ -82,9 +82,12 @@ class TestEngineClientContract:
         assert r.token_rungs == ["int4"] + [client.rungs[1]] * (len(r.token_ids) - 1) and len(r.token_ids) > 1
 
     def test_a_prompt_no_rung_can_take_is_refused_at_submit(self, client):
+        async def submit(ids: list[int]) -> None:  # generate() submits on the caller's running loop
+            client.generate(client.request(ids, SamplingParams(max_tokens=4)))
+
         for ids in ([], [11] * max(client.n_ctx)):
             with pytest.raises(InputError):
-                client.generate(client.request(ids, SamplingParams(max_tokens=4)))
+                asyncio.run(submit(ids))
         assert client.stats()["live"] == 0
 
     def test_abort_of_a_request_not_in_flight_is_false(self, client):

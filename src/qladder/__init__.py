@@ -14,6 +14,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# `sanitize` names both a function here and a submodule: loading the submodule sets this
+# attribute to the module, so the function is bound eagerly (the module needs only the standard
+# library), before anything else can load it.
+from qladder.sanitize import sanitize
+
 _HOME = {
     "EngineClient": "qladder.client",
     "Request": "qladder.client",
@@ -113,7 +118,7 @@ if TYPE_CHECKING:
     from qladder.ladder import Ladder, LadderConfig
     from qladder.policy import LadderPolicy
     from qladder.sampling import SamplingParams
-    from qladder.sanitize import SanitizeConfig, SanitizeResult, sanitize
+    from qladder.sanitize import SanitizeConfig, SanitizeResult
     from qladder.service import Qladder
     from qladder.serving.engine import ServingConfig, ServingEngine
     from qladder.types import FinishReason, GenerationResult, Handoff, Hazard

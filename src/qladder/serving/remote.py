@@ -281,12 +281,13 @@ class RemotePool:
                 self.steps += 1
                 t = item.token_id
                 expected = rung.detokenize_bytes([t]) if 0 <= t < rung.n_vocab else None
+                judged = item
                 if faults is not None:  # test machinery: the token as the request's faults make it
-                    try:
-                        item, took = faults.token(item, took, m.step, rung.n_vocab)
+                    try:  # (judged so; an accepted one still reports the server's own logprob)
+                        judged, took = faults.token(item, took, m.step, rung.n_vocab)
                     except EngineError as exc:
                         return self._error(m, str(exc))
-                hazard = visit.judge(item, took, rung.n_vocab, expected)
+                hazard = visit.judge(judged, took, rung.n_vocab, expected)
                 if hazard is not None:
                     if hazard.check == "deadline":
                         self.stalls += 1

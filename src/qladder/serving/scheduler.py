@@ -449,4 +449,4 @@ class Int4Scheduler:
                                 detail=f"int4 step hung for {took * 1e3:.0f} ms (watchdog)")
                 action = m.on_hazard(hazard, None)
                 if not isinstance(action, Done):
-                    self._to_standby(m, action, self.clock())
+                    self._to_standby(m, action, m.left_at)

@@ -64,7 +64,7 @@ class TestEngineClientContract:
         tokens = [e for e in events if isinstance(e, TokenEvent)]
         r = final.result
         assert [t for e in tokens for t in e.token_ids] == r.token_ids and 0 < len(r.token_ids) <= 6
-        assert [x for e in tokens for x in e.token_rungs] == r.token_rungs == ["int4"] * len(r.token_ids)
+        assert [x for e in tokens for x in e.rungs] == r.token_rungs == ["int4"] * len(r.token_ids)
         assert "".join(e.text for e in tokens) == r.text
         assert r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and not r.hazards and not r.handoffs
         assert r.prompt_tokens == len(req.prompt_ids)

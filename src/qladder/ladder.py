@@ -48,12 +48,11 @@ if TYPE_CHECKING:
 
 def _gains(engine: Engine, faults: Sequence[Fault]) -> contextlib.AbstractContextManager[None]:
     """Test machinery, only for a request that has gain faults: installed on rung 0 for its run."""
-    gains = [f for f in faults if f.kind == "gain"]
-    if not gains:
+    if not any(f.kind == "gain" for f in faults):
         return contextlib.nullcontext()
     from qladder.faults import engine_faults
 
-    return engine_faults(engine, gains)
+    return engine_faults(engine, faults)  # (it takes the gain faults among them)
 
 
 class Ladder:

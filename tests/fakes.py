@@ -71,7 +71,7 @@ class FakeClient:
     def add_observer(self, observe: Callable[[Event], None]) -> None:
         self.observers.append(observe)
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> dict[str, float]:
         return {"slots": 8, "slots_in_use": len(self.live), "queue_depth": 0, "standby_depth": 0,
                 "standby_active": 0, "live": len(self.live)}
 

@@ -296,9 +296,10 @@ def test_remote_guard_sees_a_diffused_distribution_only_where_a_higher_rung_can_
 
 
 def test_a_remote_rung_holds_a_window_back_and_a_diffused_one_is_rolled_back_whole():
+    from qladder.actions import MoveTo
     from qladder.client import Request
     from qladder.health.remote import RemoteToken
-    from qladder.machine import LadderConfig, MoveTo, RequestMachine
+    from qladder.machine import LadderConfig, RequestMachine
     from qladder.serving.remote_visit import RemoteVisit
 
     events = []
@@ -363,7 +364,7 @@ def _feed(visit, tokens):
 
 
 def test_a_draft_awaiting_the_standby_is_held_whole_and_a_refusal_keeps_the_tokens_before_it():
-    from qladder.machine import MoveTo
+    from qladder.actions import MoveTo
     from qladder.types import Hazard, TokenEvent
 
     visit, events = _draft_machine()
@@ -377,7 +378,7 @@ def test_a_draft_awaiting_the_standby_is_held_whole_and_a_refusal_keeps_the_toke
 
 
 def test_a_passed_draft_is_released_as_a_remote_rung_releases_and_an_early_end_waits_for_the_check():
-    from qladder.machine import Confirm
+    from qladder.actions import Confirm
     from qladder.types import FinishReason, TokenEvent
 
     visit, events = _draft_machine()

@@ -254,9 +254,9 @@ def test_a_bug_in_our_code_is_not_a_hazard(served, monkeypatch):
 
     monkeypatch.setattr(StandbyPool, "_step", broken)
     m = se._machine_for_test(se.request(_ids(se, "Hi"), SamplingParams(max_tokens=4)))
-    from qladder.machine import MoveTo
+    from qladder.actions import MoveTo
 
-    pool.submit(m, MoveTo(1, poisoned=False), time.perf_counter())
+    pool.submit(m, MoveTo(1, poisoned=False))
     deadline = time.monotonic() + 30
     while m.done is None and time.monotonic() < deadline:
         time.sleep(0.01)

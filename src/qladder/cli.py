@@ -6,7 +6,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from qladder.ladder import LadderConfig
     from qladder.sampling import SamplingParams
     from qladder.sanitize import SanitizeConfig
-    from qladder.service import Answer, Qladder
+    from qladder.service import Answer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="A precision ladder for quantized LLMs.")
@@ -80,7 +80,7 @@ def generate(
 
 def _generate(prompt: str, ladder: str, max_tokens: int, temperature: float, top_p: float, top_k: int,
               seed: int, stop: list[str], faults: list[str], guard: str, sanitize: str, warm_shadow: bool,
-              return_after: int | None, model: Path | None, incidents: Path | None) -> dict[str, object]:
+              return_after: int | None, model: Path | None, incidents: Path | None) -> dict[str, Any]:
     from qladder.config import Settings
     from qladder.errors import ConfigError
     from qladder.faults import parse_fault
@@ -112,29 +112,32 @@ def _generate(prompt: str, ladder: str, max_tokens: int, temperature: float, top
     served = rungs[0] == "int4" and not warm_shadow
     try:
         if served:  # the serving engine's one decode path (one slot), as the HTTP server uses it
-            answer, q = _generate_served(text, rungs, params, parsed, config, PRESETS[sanitize], model,
-                                         settings, store)
+            answer, precisions = _generate_served(text, rungs, params, parsed, config, PRESETS[sanitize], model,
+                                                  settings, store)
         else:  # a torch rung first, or a warm shadow: the in-process ladder
             q = Qladder(rungs, model=model, settings=settings, ladder_config=config,
                         sanitize_config=PRESETS[sanitize], incidents=store)
             try:
                 answer = q.answer(text, params, parsed)
+                precisions = {e.name: e.precision for e in q.engines}
             finally:
                 q.close()
     finally:
         store.close()
     out = answer.to_dict()
     out["ladder"] = rungs
-    out["precisions"] = {e.name: e.precision for e in q.engines}
+    out["precisions"] = precisions
     out["faults"] = [str(f) for f in parsed]
     return out
 
 
 def _generate_served(text: str | bytes, rungs: list[str], params: SamplingParams, faults: list[Fault],
                      config: LadderConfig, sanitize_config: SanitizeConfig, model: Path | None,
-                     settings: Settings, store: IncidentStore) -> tuple[Answer, Qladder]:
-    """One request through the serving engine (one slot): the decode path the server uses."""
-    from qladder.service import Answer, Qladder
+                     settings: Settings, store: IncidentStore) -> tuple[Answer, dict[str, str]]:
+    """One request through the serving engine (one slot): the decode path the server uses.
+    Returns the answer and each rung's precision."""
+    from qladder.prepare import Preparer
+    from qladder.service import Answer
     from qladder.serving import ServingConfig, ServingEngine
 
     cfg = ServingConfig(slots=1, n_ctx=settings.n_ctx, int4_threads=settings.n_threads,
@@ -142,11 +145,10 @@ def _generate_served(text: str | bytes, rungs: list[str], params: SamplingParams
                         allow_faults=True)  # the CLI's user is the operator
     se = ServingEngine(cfg, model=str(model) if model else None, settings=settings, incidents=store)
     try:
-        q = Qladder(rungs, model=se.info, settings=settings, sanitize_config=sanitize_config,
-                    engines=[se.int4, *se.standby_engines])
-        ids, prompt_text, reports = q.prepare(text, params.max_tokens)
+        prep = Preparer(se.info, se.int4.tokenize, min(se.n_ctx), sanitize_config)
+        ids, prompt_text, reports = prep.prepare(text, params.max_tokens)
         result = se.generate_sync(se.request(ids, params, faults=faults, prompt_text=prompt_text))
-        return Answer(result, reports), q
+        return Answer(result, reports), {e.name: e.precision for e in (se.int4, *se.standby_engines)}
     finally:
         se.close()
 
@@ -228,10 +230,10 @@ def validate(
         return
     try:
         by_name(faults or [])  # a malformed spec fails before any model loads
-        overrides: dict[str, object] = {"fault_names": tuple(faults or ()), "corpus_dir": corpus,
+        overrides: dict[str, Any] = {"fault_names": tuple(faults or ()), "corpus_dir": corpus,
                                         "standby_share": standby_share,
                                         **_given(max_tokens=max_tokens, rounds=rounds)}
-        cfg = ValidateConfig.quick_preset(**overrides) if quick else ValidateConfig(**overrides)  # type: ignore[arg-type]
+        cfg = ValidateConfig.quick_preset(**overrides) if quick else ValidateConfig(**overrides)
         results = run_validate(cfg, out, show_progress=progress, log=lambda s: typer.echo(s, err=True))
     except QladderError as exc:
         _fail(str(exc))
@@ -265,8 +267,8 @@ def _validate_remote(quick: bool, out: Path, config: Path | None, max_tokens: in
 
     try:
         cfg = load_remote_config(config, quick)
-        overrides: dict[str, object] = {"corpus_dir": corpus, **_given(max_tokens=max_tokens, rounds=rounds)}
-        cfg = dataclasses.replace(cfg, **overrides)  # type: ignore[arg-type]
+        overrides: dict[str, Any] = {"corpus_dir": corpus, **_given(max_tokens=max_tokens, rounds=rounds)}
+        cfg = dataclasses.replace(cfg, **overrides)
         if out == Path("qladder-validate"):
             out = Path("qladder-validate-remote")
         results = validate_remote(cfg, out, show_progress=progress, log=lambda s: typer.echo(s, err=True))
@@ -371,14 +373,14 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         t = load_topology(config)
-        over: dict[str, object] = {}
+        over: dict[str, Any] = {}
         if allow_faults:
             over["allow_faults"] = True
         if redact:
             over["redact"] = True
         if incidents is not None:
             over["incidents"] = str(incidents)
-        t = dataclasses.replace(t, server=dataclasses.replace(t.server, **over))  # type: ignore[arg-type]
+        t = dataclasses.replace(t, server=dataclasses.replace(t.server, **over))
         keys = list(api_key or [])
         if api_keys_file is not None:
             try:

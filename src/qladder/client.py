@@ -58,7 +58,7 @@ class EngineClient(Protocol):
         submit), whether or not the request's client still listens."""
         ...
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> dict[str, float]:
         """Pool state for metrics: slots, slots_in_use, queue_depth, standby_depth, ..."""
         ...
 

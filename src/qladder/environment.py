@@ -56,7 +56,7 @@ def cpu() -> dict[str, Any]:
     except AttributeError:  # not on Linux
         info["usable_cpus"] = os.cpu_count()
     try:
-        import cpuinfo  # type: ignore[import-not-found]
+        import cpuinfo
 
         info["model"] = cpuinfo.get_cpu_info().get("brand_raw")
         info["source"] = "py-cpuinfo"
@@ -90,7 +90,7 @@ def load_average() -> list[float] | None:
 def rss_mb() -> float:
     import psutil
 
-    return psutil.Process().memory_info().rss / 2**20
+    return float(psutil.Process().memory_info().rss) / 2**20
 
 
 def peak_rss_mb() -> float:

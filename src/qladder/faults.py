@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -225,6 +225,22 @@ def install_slot_gains(engine: BatchedLlamaCpp, slot: int, faults: Sequence[Faul
     return bool(gains)
 
 
+@runtime_checkable
+class _LayerFaults(Protocol):
+    """An engine that runs a function on a layer's output (the torch rungs)."""
+
+    def add_layer_fault(self, layer: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> None: ...
+    def clear_faults(self) -> None: ...
+
+
+@runtime_checkable
+class _ControlVector(Protocol):
+    """An engine that adds a control vector to a layer's output (llama.cpp's int4 rung)."""
+
+    def set_control_vector(self, layer: int, channel: int, value: float) -> None: ...
+    def clear_control_vector(self) -> None: ...
+
+
 @contextmanager
 def engine_faults(engine: Engine, faults: Sequence[Fault]) -> Iterator[None]:
     """Install activation faults (gain) on an engine for one request, and remove them after."""
@@ -232,14 +248,14 @@ def engine_faults(engine: Engine, faults: Sequence[Fault]) -> Iterator[None]:
     if not gains:
         yield
         return
-    if hasattr(engine, "add_layer_fault"):
+    if isinstance(engine, _LayerFaults):
         for f in gains:
             engine.add_layer_fault(f.layer, _gain_fn(f.channel, f.x))
         try:
             yield
         finally:
             engine.clear_faults()
-    elif hasattr(engine, "set_control_vector"):
+    elif isinstance(engine, _ControlVector):
         if len(gains) > 1:
             raise ConfigError("the int4 rung takes one gain fault at a time (one control vector)")
         f = gains[0]

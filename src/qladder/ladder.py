@@ -4,9 +4,9 @@
     loop: push the last accepted token        (deferred to here: a finished answer never pays
                                                a forward pass whose row nobody reads)
           out    = session.output()           the step's row, stats and activation peaks
-          m.judge(out)                        the request machine's guard verdict, one host sync
-          ok     -> m.accept_row               the token is emitted only now
-          hazard -> m.on_hazard: MoveTo(j)     close (or roll back) this rung's session, open
+          step(m, out, took)                  the request machine's verdict (deadline, guard)
+          ok     -> Continue                   the token is emitted only now
+          hazard -> MoveTo(j)                  close (or roll back) this rung's session, open
                                                rung j with prompt ids + accepted ids
                              Verify(j)         does rung j continue the same loop?
                              Done              the model's own loop, or the safe fallback
@@ -28,13 +28,14 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from qladder.actions import Action, Continue, Done, MoveTo, StepFailed, Verify
 from qladder.client import Request
 from qladder.engines import instrument
 from qladder.engines.base import Engine, Session, StepOutput, check_handoff
 from qladder.errors import EngineError, check_prompt_fits
 from qladder.health.guard import StepGuard
 from qladder.incidents import IncidentSink
-from qladder.machine import Action, Continue, Done, LadderConfig, MoveTo, RequestMachine, StepFailed, Verify, step
+from qladder.machine import LadderConfig, RequestMachine, step
 from qladder.model import ModelInfo
 from qladder.sampling import SamplingParams
 from qladder.shadow import WarmShadow
@@ -111,7 +112,6 @@ class _Run:
         self.sessions: dict[int, Session] = {}
         self.shadow: WarmShadow | None = None
         self.unpushed = False  # the last accepted token is not yet in the current rung's session
-        self.started = 0.0  # when the hazard (or policy move) being carried out happened
         self.monitored = ladder.config.guard.check_activations  # the last forward ran monitored
         self.faulted = any(f.kind != "gain" for f in m.req.faults)  # step faults: rung 0 wrapped
 
@@ -180,7 +180,6 @@ class _Run:
             self.open(0)
         except EngineError as exc:
             action = m.on_hazard(Hazard("engine_error", self.L.engines[0].name, 0, detail=str(exc)), None)
-            self.started = m.left_at
         m.rec.timings["prefill_ms"] = (self.L.clock() - t) * 1e3
         while not isinstance(action, Done):
             if isinstance(action, Verify):
@@ -214,8 +213,6 @@ class _Run:
         accepted = isinstance(action, Continue) or (isinstance(action, MoveTo) and not action.poisoned)
         if accepted and self.shadow is not None:
             self.shadow.feed(m.context)
-        if isinstance(action, (MoveTo, Verify)):  # the new rung opens on the whole context
-            self.started = m.left_at
         self.unpushed = isinstance(action, Continue)
         return action
 
@@ -237,9 +234,7 @@ class _Run:
         try:
             caught, warm = self.open(a.rung)
         except EngineError as exc:
-            m.moved(a.rung, self.started, 0, False)
-            action = m.on_hazard(Hazard("engine_error", self.L.engines[a.rung].name, m.step, detail=str(exc)), None)
-            self.started = m.left_at
-            return action
-        m.moved(a.rung, self.started, caught, warm)
+            m.moved(a.rung, 0, False)
+            return m.on_hazard(Hazard("engine_error", self.L.engines[a.rung].name, m.step, detail=str(exc)), None)
+        m.moved(a.rung, caught, warm)
         return Continue()

@@ -5,17 +5,15 @@ steps one over a session of a full-precision rung; the in-process ladder steps o
 rungs' sessions. All three call one function with what the engine gave for the step:
 
     action = step(m, StepOutput(row, stats, peaks, ...) | StepFailed(error), took_s)
-             = m.judge(...)                 deadline, guard
-               ok     -> m.accept_row(row)  sample; stop strings, EOS, length; release text
-               hazard -> m.on_hazard(...)   policy -> move / verify / stop
-    Verify(j): the driver opens rung j on m.context and calls m.on_verify(reproduced)
-    MoveTo(j): the driver opens rung j on m.context and calls m.moved(j, m.left_at, ...)
+             deadline, guard -> ok     -> m.accept_row(row)  sample; stop strings, EOS, length
+                             -> hazard -> m.on_hazard(...)   policy -> move / verify / stop
 
-Actions: `Continue` (push the accepted token next step), `MoveTo(j)` (continue on rung j, by
-token ids: the driver opens rung j on `m.context`), `Verify(j)` (a repetition hazard: does rung
-j continue the same loop?), `Done(result)`. The policy (`LadderPolicy`) stays pure; the machine
-records hazards, incidents and handoffs and emits the request's events; it never touches an
-engine, so one machine can move between threads (an ownership transfer, never shared).
+The remote pool, whose server samples, judges a streamed token in its own room (RemoteVisit)
+and calls `m.accept_token` or `m.on_hazard`. The actions are in `actions.py`. The policy
+(`LadderPolicy`) stays pure; the machine keeps the ladder state (rung, accepted ids, the text
+stream, hazards, a pending verification), records through its Recorder (`m.rec`) and emits the
+request's events; it never touches an engine, so one machine can move between threads (an
+ownership transfer, never shared).
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qladder.actions import Action, Confirm, Continue, Done, Move, MoveTo, StepFailed, Verify
 from qladder.client import Request
 from qladder.engines.base import StepOutput
 from qladder.health.guard import GUARD_PRESETS, GuardConfig, StepGuard
@@ -57,61 +56,26 @@ class LadderConfig:
     record_incidents: bool = True  # a bare configuration keeps no incident records
 
 
-@dataclass(frozen=True)
-class Continue:
-    pass
-
-
-@dataclass(frozen=True)
-class MoveTo:
-    rung: int
-    poisoned: bool  # the current rung's last eval produced a bad row
-
-
-@dataclass(frozen=True)
-class Verify:
-    rung: int
-
-
-@dataclass(frozen=True)
-class Done:
-    result: GenerationResult
-
-
-@dataclass(frozen=True)
-class Confirm:
-    """The answer would end (EOS or length) while its first tokens await the standby's check
-    (`await_check`, remote pool only): the driver checks them, then `finish(reason)`."""
-
-    reason: FinishReason
-
-
-Action = Continue | MoveTo | Verify | Done | Confirm
-
-
-@dataclass(frozen=True)
-class StepFailed:
-    """The engine raised instead of giving this step's row (an engine_error hazard)."""
-
-    error: str
-
-
 def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
          native_argmax: Callable[[], int] | None = None) -> Action:
-    """One step, the same for every driver that holds a row: judge what the engine gave, then
-    accept a token or act on the hazard. `took_s` is the step's time as the driver measured it
-    (0.0 where a watchdog keeps the deadline); `native_argmax` is the engine's own greedy token
-    for `out.row` (a driver passes it only for a row that no fault replaced), taken only for a
-    greedy request."""
+    """One step, the same for every driver that holds a row: judge what the engine gave (the
+    step deadline, then the guard), then accept a token or act on the hazard. `took_s` is the
+    step's time as the driver measured it (0.0 where a watchdog keeps the deadline);
+    `native_argmax` is the engine's own greedy token for `out.row` (a driver passes it only for
+    a row that no fault replaced), taken only for a greedy request. A request's injected faults
+    are the driver's: they reach here as the rows they make."""
+    name, deadline = m.rungs[m.rung], m.config.guard.step_deadline_s
     if isinstance(out, StepFailed):
-        row, hazard = m.judge(None, None, None, None, None, 0.0, error=out.error)
+        return m.on_hazard(Hazard("engine_error", name, m.step, detail=out.error), None)
+    if took_s > deadline:
+        hazard: Hazard | None = Hazard("deadline", name, m.step, took_s, deadline,
+                                       detail=f"step took {took_s * 1e3:.0f} ms")
     else:
-        row, hazard = m.judge(out.row, out.stats, out.peaks, out.rest_peaks, out.activation_limit, took_s)
+        hazard = m.guard.check(out.row, m.accepted, name, out.peaks, out.activation_limit, out.rest_peaks, out.stats)
     if hazard is not None:
-        return m.on_hazard(hazard, row)
-    assert row is not None
+        return m.on_hazard(hazard, out.row)
     token = native_argmax() if native_argmax is not None and m.params.greedy else None
-    return m.accept_row(row, token)
+    return m.accept_row(out.row, token)
 
 
 class RequestMachine:
@@ -166,21 +130,6 @@ class RequestMachine:
         return self.prompt + self.stream.ids
 
     # -- one step --------------------------------------------------------------------------------
-    def judge(self, row: torch.Tensor | None, stats: tuple[float, float, float] | None,
-              peaks: torch.Tensor | None, rest: torch.Tensor | None, limit: float | None,
-              took_s: float, error: str | None = None) -> tuple[torch.Tensor | None, Hazard | None]:
-        """The guard's verdict on this step's row: returns the row to sample and the hazard, or None.
-        (A request's injected faults are the driver's: they reach here as the rows they make.)"""
-        name = self.rungs[self.rung]
-        if error is not None:
-            return None, Hazard("engine_error", name, self.step, detail=error)
-        assert row is not None
-        deadline = self.config.guard.step_deadline_s
-        if took_s > deadline:
-            return row, Hazard("deadline", name, self.step, took_s, deadline,
-                               detail=f"step took {took_s * 1e3:.0f} ms")
-        return row, self.guard.check(row, self.stream.ids, name, peaks, limit, rest, stats)
-
     def hold(self, n: int) -> None:
         """Keep the last `n` accepted tokens unreleased (a window a later check may roll back whole)."""
         self.stream.hold = n
@@ -245,7 +194,7 @@ class RequestMachine:
             self.emit(TokenEvent(self.request_id, self.stream.ids[start:start + n],
                                  self.token_rungs[start:start + n], text, lps))
 
-    def on_hazard(self, hazard: Hazard, row: torch.Tensor | None) -> Action:
+    def on_hazard(self, hazard: Hazard, row: torch.Tensor | None) -> Move:
         """Drop the step; record the hazard; ask the policy (a repetition first asks the next rung)."""
         self.left_at = now = self.clock()  # the handoff's latency counts from here
         self.rec.close_handoff(now, self.step)  # a handoff whose new rung failed before its first token
@@ -262,14 +211,14 @@ class RequestMachine:
             return Verify(self.rung + 1)
         return self.decide(hazard, None)
 
-    def on_verify(self, next_argmax: int | None) -> Action:
+    def on_verify(self, next_argmax: int | None) -> Move:
         """The next rung's greedy token on the same context (None: it failed to say)."""
         hazard, self.pending_hazard = self.pending_hazard, None
         assert hazard is not None
         reproduced = None if next_argmax is None else next_argmax == self.pending_row_argmax
         return self.decide(hazard, reproduced)
 
-    def decide(self, hazard: Hazard, reproduced: bool | None) -> Action:
+    def decide(self, hazard: Hazard, reproduced: bool | None) -> MoveTo | Done:
         policy = self.config.policy
         action = policy.on_hazard(hazard, self.rung, len(self.rungs), len(self.rec.handoffs), reproduced)
         label = (f"handoff:{self.rungs[action.to]}" if isinstance(action, HandoffAction)
@@ -290,9 +239,10 @@ class RequestMachine:
         if self.logprobs is not None:
             del self.logprobs[keep:]
 
-    def moved(self, to: int, started: float, caught: int, warm: bool) -> None:
-        """The driver carried out a move: rung `to` holds the context (it evaluated `caught` ids)."""
-        self.rec.open_handoff(started, self.rungs[self.rung], self.rungs[to], caught, warm)
+    def moved(self, to: int, caught: int, warm: bool) -> None:
+        """The driver carried out a move: rung `to` holds the context (it evaluated `caught` ids).
+        The handoff's latency runs from `left_at` (the hazard's or the policy's moment)."""
+        self.rec.open_handoff(self.left_at, self.rungs[self.rung], self.rungs[to], caught, warm)
         self.rung, self.streak = to, 0
         self.unchecked = False
         self.stream.hold = 0

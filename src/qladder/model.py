@@ -70,8 +70,9 @@ class ModelInfo:
         return f"{self.path.stem}-{st.st_size}-{st.st_mtime_ns}"
 
 
-def _field(reader: object, key: str) -> object:
-    f = reader.fields.get(key)  # type: ignore[attr-defined]
+def _field(reader: Any, key: str) -> Any:
+    """A GGUF metadata value (gguf's reader is untyped: Any at this seam), or None."""
+    f = reader.fields.get(key)
     return None if f is None else f.contents()
 
 
@@ -94,14 +95,14 @@ def _inspect_cached(path: str, size: int, mtime_ns: int) -> ModelInfo:
             path=Path(path),
             architecture=str(arch),
             name=str(_field(reader, "general.name") or Path(path).stem),
-            n_layer=int(_field(reader, f"{arch}.block_count")),  # type: ignore[arg-type]
-            n_embd=int(_field(reader, f"{arch}.embedding_length")),  # type: ignore[arg-type]
+            n_layer=int(_field(reader, f"{arch}.block_count")),
+            n_embd=int(_field(reader, f"{arch}.embedding_length")),
             n_vocab=n_vocab,
-            context_length=int(_field(reader, f"{arch}.context_length")),  # type: ignore[arg-type]
-            bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),  # type: ignore[arg-type]
-            eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),  # type: ignore[arg-type]
+            context_length=int(_field(reader, f"{arch}.context_length")),
+            bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),
+            eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
             chat_template=str(_field(reader, "tokenizer.chat_template") or ""),
-            file_type=int(_field(reader, "general.file_type") or 0),  # type: ignore[arg-type]
+            file_type=int(_field(reader, "general.file_type") or 0),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelError(f"GGUF metadata incomplete in {path}: {exc}") from exc

@@ -44,7 +44,7 @@ class LadderPolicy:
     fail_on_engine_error: bool = False
 
     def on_hazard(self, hazard: Hazard, rung: int, n_rungs: int, handoffs: int,
-                  reproduced: bool | None = None) -> Action:
+                  reproduced: bool | None = None) -> Handoff | Stop:
         """`reproduced`: for a repetition, whether the next rung continues the same loop."""
         if hazard.check == "engine_error" and self.fail_on_engine_error:
             return Stop(FinishReason.ERROR, fallback=False)
@@ -54,7 +54,7 @@ class LadderPolicy:
             return Handoff(rung + 1)
         return Stop(FinishReason.DEGRADED, fallback=True)
 
-    def on_token(self, rung: int, healthy_streak: int, handoffs: int) -> Action:
+    def on_token(self, rung: int, healthy_streak: int, handoffs: int) -> Continue | Handoff:
         """After a healthy token on `rung`, `healthy_streak` tokens in a row there."""
         if (self.return_after is not None and rung > 0 and healthy_streak >= self.return_after
                 and handoffs < self.max_handoffs):

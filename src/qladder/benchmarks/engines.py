@@ -37,8 +37,12 @@ def weight_bytes(engine: Engine, info: ModelInfo) -> int:
         from gguf import GGUFReader
 
         return int(sum(int(t.n_bytes) for t in GGUFReader(str(info.path)).tensors))
-    model = engine.model  # type: ignore[attr-defined]
-    seen, total = set(), 0
+    from qladder.engines.torch_engine import TorchEngine
+
+    assert isinstance(engine, TorchEngine)  # every rung but int4 is a torch model
+    model = engine.model
+    seen: set[int] = set()
+    total = 0
     for p in model.parameters():
         if p.data_ptr() not in seen:  # tied embedding / lm_head counted once
             seen.add(p.data_ptr())

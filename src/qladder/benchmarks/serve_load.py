@@ -211,7 +211,7 @@ def run_serve_bench(duration_s: float = 120.0, window_s: float = 60.0, rounds: i
     say = log or (lambda _m: None)
     info = inspect_model()
     jobs, n_faulted = _jobs(n_prompts, fault_share, max_tokens, seed)
-    clean = [(pid, p, []) for pid, p, _ in jobs]
+    clean: list[Job] = [(pid, p, []) for pid, p, _ in jobs]
     work = Path(tempfile.mkdtemp(prefix="qladder-bench-serve-"))
     pools = _pools(slots, threads)
     clock = Clock()
@@ -362,6 +362,7 @@ def _judge(outcomes: list[Outcome], info: Any, max_tokens: int, say: Any) -> Non
     from qladder.config import Settings
     from qladder.engines import load_engine
     from qladder.engines.llamacpp import LlamaVocab
+    from qladder.engines.torch_engine import TorchEngine
     from qladder.prepare import Preparer
     from qladder.validate.garbage import mean_nll
 
@@ -374,6 +375,7 @@ def _judge(outcomes: list[Outcome], info: Any, max_tokens: int, say: Any) -> Non
             o.judge()
         say("judging the faulted answers (fp32 likelihood)")
         fp32 = load_engine("fp32", info, Settings.from_env())
+        assert isinstance(fp32, TorchEngine)  # the fp32 rung is torch's, which scores an answer
         preparer = Preparer(info, vocab.tokenize, 2048)
         try:
             for o in outcomes:

@@ -25,6 +25,7 @@ tok/s included (a window's tokens over its span), is computed from those lines b
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import threading
@@ -217,11 +218,11 @@ def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: t
     slots = max(concurrency)
     n_ctx = 1024
     sched = SchedulerConfig(max_queue=4 * slots)
-    common = {"slots": slots, "n_ctx": n_ctx, "int4_threads": int4_threads, "standby_threads": standby_threads,
-              "scheduler": sched}
-    guarded = ServingEngine(ServingConfig(**common, allow_faults=True), info, settings)  # type: ignore[arg-type]
-    bare = ServingEngine(ServingConfig(**common, standby_rungs=(),  # type: ignore[arg-type]
-                                       ladder=LadderConfig(guard=GUARD_PRESETS["off"])), info, settings)
+    common = ServingConfig(slots=slots, n_ctx=n_ctx, int4_threads=int4_threads, standby_threads=standby_threads,
+                           scheduler=sched)
+    guarded = ServingEngine(dataclasses.replace(common, allow_faults=True), info, settings)
+    bare = ServingEngine(dataclasses.replace(common, standby_rungs=(), ladder=LadderConfig(guard=GUARD_PRESETS["off"])),
+                         info, settings)
     raw = BatchedLlamaCpp(info, n_slots=slots, n_ctx=n_ctx, n_threads=int4_threads, native_dir=None)
     raw.cache_prefix(template_prefix(info, raw.tokenize))  # the same prefill work as the engine's
     rec = Recorder()
@@ -230,8 +231,9 @@ def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: t
         corpus = [p for p in subset(normal, max(1, -(-3 * n_prompts // 8))) if isinstance(p.prompt, str)]
         candidates = [user_prompt_ids(info.chat_template, str(p.prompt), raw.tokenize) for p in corpus]
         kept, screened = _loop_free(raw, candidates, max_tokens, n_prompts, GUARD_PRESETS["default"])
-        sets = {"all": [(corpus[k], candidates[k], None) for k in range(min(n_prompts, len(corpus)))],
-                "screened": [(corpus[k], candidates[k], None) for k in kept]}
+        sets: dict[str, list[Job]] = {
+            "all": [(corpus[k], candidates[k], None) for k in range(min(n_prompts, len(corpus)))],
+            "screened": [(corpus[k], candidates[k], None) for k in kept]}
         screened["kept"] = [corpus[k].id for k in kept]
         rng = random.Random(seed)
         faulted = {name: _faulted(jobs, fault_share, max_tokens, rng) for name, jobs in sets.items()}

@@ -96,9 +96,12 @@ class Engine(Protocol):
     n_vocab: int
     eos_ids: frozenset[int]
     monitor_is_cheap: bool  # whether activation peaks may be taken every step (torch hooks: yes)
-    # whether instrument(_, row_stats=True) makes output() carry the row's (sum, max, min),
-    # computed with its copy (llama.cpp's native helper); False: the guard reduces the row itself
-    computes_row_stats: bool
+
+    @property
+    def computes_row_stats(self) -> bool:
+        """Whether instrument(_, row_stats=True) makes output() carry the row's (sum, max, min),
+        computed with its copy (llama.cpp's native helper); False: the guard reduces the row itself."""
+        ...
 
     @property
     def fingerprint(self) -> str:
@@ -168,8 +171,18 @@ def tokenizer_fingerprint(pieces: Iterable[str], special_ids: dict[str, int | No
     return h.hexdigest()[:16]
 
 
-def check_handoff(src: Engine, dst: Engine) -> None:
-    """Refuse a handoff by token ids between engines whose tokenizers differ."""
+class Tokenized(Protocol):
+    """What a handoff by token ids needs of a rung, local or remote: its name and its vocabulary."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+
+def check_handoff(src: Tokenized, dst: Tokenized) -> None:
+    """Refuse a handoff by token ids between rungs whose tokenizers differ."""
     if src.fingerprint != dst.fingerprint:
         raise TokenizerMismatchError(
             f"cannot hand {src.name} tokens to {dst.name}: tokenizer fingerprints differ "

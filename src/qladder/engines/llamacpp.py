@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,12 +37,13 @@ RARE_BYTES = frozenset(b for b in range(256) if b >= 0x7F or (b < 0x20 and b not
 class LlamaVocabMixin:
     """Tokenizer of a llama-cpp-python model (`self.llm`), shared by the int4 engines."""
 
-    llm: object
+    # llama_cpp has no type information: its objects are Any at this seam.
+    llm: Any
     info: ModelInfo
     n_vocab: int
     eos_ids: frozenset[int]
-    _lib: object
-    _vocab: object
+    _lib: Any
+    _vocab: Any
     _fingerprint: str | None
     _pieces: list[bytes] | None = None
     _lone: frozenset[int] | None = None
@@ -52,7 +54,7 @@ class LlamaVocabMixin:
     @property
     def fingerprint(self) -> str:
         if self._fingerprint is None:
-            get = self._lib.llama_vocab_get_text  # type: ignore[attr-defined]
+            get = self._lib.llama_vocab_get_text
             pieces = (get(self._vocab, i).decode("utf-8", "surrogateescape") for i in range(self.n_vocab))
             self._fingerprint = tokenizer_fingerprint(
                 pieces, {"bos": self.info.bos_id, "eos": self.info.eos_id}
@@ -67,7 +69,7 @@ class LlamaVocabMixin:
         if not data:
             return []
         self._alive()
-        return list(self.llm.tokenize(data, add_bos=False, special=special))  # type: ignore[attr-defined]
+        return list(self.llm.tokenize(data, add_bos=False, special=special))
 
     def tokenize_bytes(self, data: bytes) -> list[int]:
         """Raw bytes as a byte-level vocabulary spells them (what a client that sends the bytes'
@@ -100,7 +102,7 @@ class LlamaVocabMixin:
         same pieces: no leading-space rule applies to a byte-level BPE without BOS)."""
         if self._pieces is None:
             self._alive()
-            body = self.llm.detokenize  # type: ignore[attr-defined]
+            body = self.llm.detokenize
             self._pieces = [body([i]) for i in range(self.n_vocab)]
         pieces = self._pieces
         return b"".join(pieces[t] for t in token_ids if t not in self.eos_ids)
@@ -114,7 +116,7 @@ class LlamaVocabMixin:
         """Ids of the vocabulary's control tokens (`<|im_start|>`, `<|im_end|>`, ...)."""
         if self._control is None:
             self._alive()
-            is_control = self._lib.llama_vocab_is_control  # type: ignore[attr-defined]
+            is_control = self._lib.llama_vocab_is_control
             self._control = frozenset(i for i in range(self.n_vocab) if is_control(self._vocab, i))
         return self._control
 

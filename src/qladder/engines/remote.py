@@ -17,7 +17,7 @@ ids between mismatched tokenizers would change the text.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -49,8 +49,10 @@ class RemoteRung(Protocol):
     n_slots: int
     n_vocab: int
     eos_ids: frozenset[int]
-    fingerprint: str  # the local vocabulary's: the probe check at start-up vouches for the server's
     can_score: bool  # `score` works: the rung can check the draft of the rung below (vLLM)
+
+    @property
+    def fingerprint(self) -> str: ...  # the local vocabulary's: the start-up probes vouch for the server's
 
     @property
     def lone_byte_ids(self) -> frozenset[int]: ...  # the vocabulary's byte-fallback tokens
@@ -58,7 +60,7 @@ class RemoteRung(Protocol):
     def detokenize_bytes(self, token_ids: Sequence[int]) -> bytes: ...
 
     def stream(self, client: httpx.AsyncClient, ids: list[int], params: SamplingParams,
-               n_remaining: int) -> AsyncIterator[RemoteToken | RemoteEnd]:
+               n_remaining: int) -> AsyncGenerator[RemoteToken | RemoteEnd, None]:
         """Continue `ids` for at most `n_remaining` tokens, sampled with `params` by the server."""
         ...
 

@@ -19,7 +19,7 @@ token's is never released, and the answer continues on the next rung from the la
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
@@ -57,7 +57,7 @@ class LlamaServerRung(HttpRung):
                 "repeat_penalty": 1.0, "cache_prompt": True, "ignore_eos": params.ignore_eos}
 
     async def stream(self, client: httpx.AsyncClient, ids: list[int], params: SamplingParams,
-                     n_remaining: int) -> AsyncIterator[RemoteToken | RemoteEnd]:
+                     n_remaining: int) -> AsyncGenerator[RemoteToken | RemoteEnd, None]:
         body = self.body(ids, params, n_remaining)
         async with client.stream("POST", f"{self.base_url}/completion", json=body) as r:
             await check_stream_status(r, "llama-server")

@@ -14,7 +14,7 @@ qladder caches for its torch rungs), so its answers are judged like any other ru
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import httpx
@@ -60,7 +60,7 @@ class VllmRung(HttpRung):
                 "presence_penalty": 0.0}
 
     async def stream(self, client: httpx.AsyncClient, ids: list[int], params: SamplingParams,
-                     n_remaining: int) -> AsyncIterator[RemoteToken | RemoteEnd]:
+                     n_remaining: int) -> AsyncGenerator[RemoteToken | RemoteEnd, None]:
         body = self.body(ids, params, n_remaining)
         async with client.stream("POST", f"{self.base_url}/v1/completions", json=body) as r:
             await check_stream_status(r, "vLLM")

@@ -50,9 +50,10 @@ def fp32_checkpoint(info: ModelInfo, cache_dir: Path) -> Path:
         tok = AutoTokenizer.from_pretrained(str(info.path.parent), gguf_file=info.path.name)
     except Exception as exc:
         raise ModelError(f"transformers cannot load {info.path}: {type(exc).__name__}: {exc}") from exc
-    # A GGUF-loaded model refuses save_pretrained while it still looks quantized.
-    model.hf_quantizer = None
-    model.is_quantized = False
+    # A GGUF-loaded model refuses save_pretrained while it still looks quantized. (transformers
+    # types these two attributes as Module attributes: setattr says what is meant.)
+    setattr(model, "hf_quantizer", None)  # noqa: B010
+    setattr(model, "is_quantized", False)  # noqa: B010
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +87,8 @@ class TorchEngine:
         self.dtype = DTYPES[rung]
         self.info = info
         self.n_ctx = n_ctx
-        self.model = LlamaForCausalLM.from_pretrained(str(ckpt), dtype=self.dtype).eval()
+        self.model = LlamaForCausalLM.from_pretrained(str(ckpt), dtype=self.dtype)
+        self.model.train(False)  # eval mode (transformers leaves its eval() untyped)
         self.tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
         self.n_vocab = int(self.model.config.vocab_size)
         self.n_layer = int(self.model.config.num_hidden_layers)
@@ -161,7 +163,8 @@ class TorchEngine:
         peaks, rest = self.activation_peaks, self.activation_rest_peaks
         for i, layer in enumerate(self.model.model.layers):
 
-            def hook(_m: torch.nn.Module, _a: object, out: object, i: int = i) -> None:
+            def hook(_m: torch.nn.Module, _a: object, out: torch.Tensor | tuple[torch.Tensor, ...],
+                     i: int = i) -> None:
                 h = (out[0] if isinstance(out, tuple) else out).detach()  # (B, T, D)
                 a = h.abs()
                 # tensor ops into preallocated buffers: no host sync here
@@ -182,10 +185,10 @@ class TorchEngine:
         if not 0 <= layer < self.n_layer:
             raise ModelError(f"layer {layer} out of range 0..{self.n_layer - 1}")
 
-        def hook(_m: torch.nn.Module, _a: object, out: object) -> object:
+        def hook(_m: torch.nn.Module, _a: object, out: torch.Tensor | tuple[torch.Tensor, ...]) -> object:
             if isinstance(out, tuple):
                 return (fn(out[0]), *out[1:])
-            return fn(out)  # type: ignore[arg-type]
+            return fn(out)
 
         self._fault_handles.append(self.model.model.layers[layer].register_forward_hook(hook))
         if self._monitor_handles:  # re-register so the monitor runs after the fault

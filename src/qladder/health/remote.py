@@ -67,16 +67,16 @@ def check_remote(guard: StepGuard, tok: RemoteToken, generated: Sequence[int], r
             return Hazard("nonfinite", rung, step, float("nan"), None,
                           detail=f"the server streamed a {'null' if bad[0] is None else bad[0]} logprob "
                                  f"for token {tok.token_id}")
-        best = max([tok.logprob, *(v for _, v in tok.top)])  # type: ignore[type-var]
+        best = max(v for v in (tok.logprob, *(v for _, v in tok.top)) if v is not None)
         bound = c.flat_gap - math.log(n_vocab)
-        if best is not None and best < bound:
+        if best < bound:
             return Hazard("flat", rung, step, best, bound, detail="the top probability is under the flat bound")
         if expected_bytes is not None and tok.token_bytes is not None and tok.token_bytes != expected_bytes:
             return Hazard("mismatch", rung, step, detail=f"token {tok.token_id}: the server sent "
                                                          f"{tok.token_bytes!r}, the vocabulary says {expected_bytes!r}")
         r = c.remote
         w = r.diffuse_window
-        if can_climb and r.diffuse_logprob is not None and best is not None and len(top1) >= 1:
+        if can_climb and r.diffuse_logprob is not None and len(top1) >= 1:
             recent = [*top1[max(0, len(top1) - (w - 1)):], best]
             bound = r.diffuse_logprob if len(recent) >= w else r.diffuse_first_logprob  # a prefix
             mean = sum(recent) / len(recent)

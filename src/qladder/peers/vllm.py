@@ -70,8 +70,8 @@ class VllmServer:
             self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True)  # its engine-core child goes with the group
         finally:
-            if out is not subprocess.DEVNULL:
-                out.close()  # type: ignore[union-attr]
+            if not isinstance(out, int):  # a file of ours, not DEVNULL
+                out.close()
         why = wait_ready(self.proc, f"{self.base_url}/health", self.ready_timeout_s, poll_s=0.5)
         if why is not None:
             self.stop()

@@ -148,7 +148,7 @@ def create_app(gw: Gateway, api_keys: frozenset[str] = frozenset(), max_body_byt
     @app.exception_handler(StarletteHTTPException)
     async def _http(_r: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, str(exc.detail), kind, headers=exc.headers)
+        return _error(exc.status_code, str(exc.detail), kind, headers=dict(exc.headers) if exc.headers else None)
 
     @app.exception_handler(Exception)
     async def _bug(_r: Request, exc: Exception) -> JSONResponse:
@@ -191,7 +191,7 @@ def create_app(gw: Gateway, api_keys: frozenset[str] = frozenset(), max_body_byt
     async def _serve(request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
         chat = isinstance(body, ChatCompletionRequest)
         try:
-            prepared = gw.prepare_chat(body) if chat else gw.prepare_completion(body)  # type: ignore[arg-type]
+            prepared = gw.prepare_chat(body) if isinstance(body, ChatCompletionRequest) else gw.prepare_completion(body)
             req, served = gw.admit(prepared)
             try:
                 agen = gw.client.generate(req)
@@ -237,15 +237,15 @@ def create_app(gw: Gateway, api_keys: frozenset[str] = frozenset(), max_body_byt
         all_open = all(m == BreakerMode.OPEN for m in breakers.values())
         ready = gw.client.ready and not all_open and not gw.draining
         body = {"ready": ready, "engine_ready": gw.client.ready, "draining": gw.draining, "breakers": breakers,
-                "stats": {k: v for k, v in gw.client.stats().items() if isinstance(v, (int, float, bool, str))}}
+                "stats": gw.client.stats()}
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    app.add_middleware(BodyLimit, limit=max_body_bytes)  # type: ignore[arg-type]
-    app.add_middleware(CountRequests, metrics=gw.metrics)  # type: ignore[arg-type]  (outermost: sees the 413s)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(CountRequests, metrics=gw.metrics)  # (outermost: sees the 413s)
     return app
 
 

@@ -131,6 +131,7 @@ class Gateway:
         faults = self._faults(body)
         params = self._params(body, body.max_tokens, body.logprobs)
         prompt = body.single_prompt()
+        text: str | None
         if isinstance(prompt, str):
             with self._tok_lock:
                 ids, rep = self.preparer.encode_text(prompt, params.max_tokens)
@@ -152,7 +153,7 @@ class Gateway:
             raise Draining("the server is shutting down")
         fp = prompt_hash(p.prompt_ids)
         stats = self.client.stats()
-        busy = int(stats.get("standby_active", 0)) + int(stats.get("standby_depth", 0))  # type: ignore[call-overload]
+        busy = int(stats.get("standby_active", 0)) + int(stats.get("standby_depth", 0))
         free = busy < self.standby_sessions
         down = frozenset() if stats.get("healthy", True) else frozenset({self.router.pools[0].name})
         route = self.router.route(fp, standby_free=free, down=down)

@@ -9,6 +9,7 @@ metrics take their own locks: any thread may update them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
@@ -17,6 +18,10 @@ from qladder.server.quarantine import Quarantine
 from qladder.types import Event, FinalEvent, HandoffEvent, HazardEvent, TokenEvent
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+def _mode_value(b: Breaker) -> float:
+    return float(MODE_VALUE[b.mode])
+
+
 TOKEN_BUCKETS_S = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -51,7 +56,7 @@ class ServerMetrics:
         self.rejected = Counter("qladder_rejected", "Requests refused before any token, by reason",
                                 ["reason"], registry=r)
 
-    def watch_pools(self, stats: Callable[[], dict[str, object]], pools: dict[str, str]) -> None:
+    def watch_pools(self, stats: Callable[[], dict[str, float]], pools: dict[str, str]) -> None:
         """Gauges read at scrape time from the engine's stats; `pools` maps pool kind -> name."""
         r = self.registry
         depth = Gauge("qladder_queue_depth", "Requests waiting for a pool", ["pool"], registry=r)
@@ -59,7 +64,7 @@ class ServerMetrics:
         live = Gauge("qladder_requests_in_flight", "Requests admitted and not finished", registry=r)
 
         def read(key: str) -> Callable[[], float]:
-            return lambda: float(stats().get(key, 0))  # type: ignore[arg-type]
+            return lambda: float(stats().get(key, 0))
 
         depth.labels(pools["int4"]).set_function(read("queue_depth"))
         busy.labels(pools["int4"]).set_function(read("slots_in_use"))
@@ -70,7 +75,7 @@ class ServerMetrics:
 
     def watch_breakers(self, breakers: dict[str, Breaker]) -> None:
         for name, b in breakers.items():
-            self.breaker_state.labels(name).set_function(lambda b=b: float(MODE_VALUE[b.mode]))
+            self.breaker_state.labels(name).set_function(partial(_mode_value, b))
 
     def on_breaker_change(self, pool: str, _old: BreakerMode, new: BreakerMode) -> None:
         self.breaker_transitions.labels(pool, str(new)).inc()

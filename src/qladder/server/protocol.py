@@ -149,11 +149,14 @@ class CompletionRequest(_Sampling):
             return p
         if not p:
             raise Unsupported("prompt", "the prompt is empty")
-        if all(isinstance(t, int) for t in p):
-            return p  # type: ignore[return-value]
+        ids = [t for t in p if isinstance(t, int)]
+        if len(ids) == len(p):
+            return ids
         if len(p) != 1:
             raise Unsupported("prompt", "batched prompts are not supported: send one prompt per request")
-        return p[0]  # type: ignore[return-value]
+        one = p[0]
+        assert not isinstance(one, int)  # [id] is a list of ids, returned above
+        return one
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from qladder.actions import MoveTo
 from qladder.client import AsyncEvents, Request
 from qladder.config import Settings
 from qladder.engines.base import Engine, check_handoff
@@ -37,7 +38,7 @@ from qladder.engines.remote_vllm import VllmRung
 from qladder.errors import ConfigError, InputError, check_prompt_fits
 from qladder.health.guard import StepGuard
 from qladder.incidents import IncidentSink
-from qladder.machine import LadderConfig, MoveTo, RequestMachine
+from qladder.machine import LadderConfig, RequestMachine
 from qladder.model import ModelInfo, inspect_model, user_prompt_ids
 from qladder.sampling import SamplingParams
 from qladder.serving.aborts import AbortRegistry
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from qladder.faults import Fault
 
 _log = logging.getLogger("qladder.serving")
+Remote = LlamaServerRung | VllmRung  # the remote rungs this engine knows how to drive
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class ServingEngine:
 
     def __init__(self, config: ServingConfig | None = None, model: ModelInfo | str | None = None,
                  settings: Settings | None = None, incidents: IncidentSink | None = None,
-                 standby_engines: Sequence[Engine | RemoteRung] | None = None,
+                 standby_engines: Sequence[Engine | Remote] | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  observers: Sequence[Callable[[Event], None]] = ()):
         """observers: called on the serving threads with every event of every request, whether
@@ -109,24 +111,28 @@ class ServingEngine:
                                         native_dir=s.cache_dir if s.int4_monitor else None)
             if c.prefix_cache:  # before the scheduler thread owns the engine
                 self.int4.cache_prefix(template_prefix(self.info, self.int4.tokenize))
-        self._owned: list[Engine | RemoteRung] = []
+        self._owned: list[Engine | Remote] = []
         if standby_engines is None:
             standby_engines = [self._load_standby(r, s) for r in c.standby_rungs]
             self._owned = list(standby_engines)
         for e in standby_engines:
-            check_handoff(self.int4, e)  # type: ignore[arg-type]
+            check_handoff(self.int4, e)
         self.standby_engines = list(standby_engines)
         self.rungs = [self.int4.name, *(e.name for e in self.standby_engines)]
         self.n_ctx = [self.int4.n_ctx, *(e.n_ctx for e in self.standby_engines)]  # per slot, or the server's
         self._guards: dict[object, StepGuard] = {c.ladder.guard: StepGuard(c.ladder.guard, self.info.identity)}
         self.aborts = AbortRegistry()
-        rungs: dict[int, Engine | RemoteRung] = {0: self.int4, **{i + 1: e for i, e in enumerate(standby_engines)}}
-        remote: dict[int, RemoteRung] = {j: e for j, e in rungs.items() if getattr(e, "remote", False)}  # type: ignore[misc]
-        local = {j: e for j, e in rungs.items() if j > 0 and j not in remote}
+        remote: dict[int, RemoteRung] = {0: self.int4} if isinstance(self.int4, LlamaServerRung) else {}
+        local: dict[int, Engine] = {}
+        for j, r in enumerate(standby_engines, start=1):
+            if isinstance(r, LlamaServerRung | VllmRung):
+                remote[j] = r
+            else:
+                local[j] = r
         # Each rung's pool: in-process full precision on the standby's thread, remote ones on the
         # remote pool's loop; a request leaving any pool for rung j goes to j's (`handoffs`).
         self.handoffs = Handoffs({})
-        self.standby = StandbyPool(local, self.aborts, c.standby_sessions, c.standby_queue,  # type: ignore[arg-type]
+        self.standby = StandbyPool(local, self.aborts, c.standby_sessions, c.standby_queue,
                                    on_return=self._return, forward=self.handoffs.submit, clock=clock) \
             if local else None
         self.remote = RemotePool(remote, self.aborts, c.remote, forward=self.handoffs.submit, clock=clock) \
@@ -138,10 +144,10 @@ class ServingEngine:
             self.scheduler = self.remote
         else:
             assert isinstance(self.int4, BatchedLlamaCpp)
-            self.scheduler = Int4Scheduler(self.int4, self.handoffs if len(rungs) > 1 else None, self.aborts,
+            self.scheduler = Int4Scheduler(self.int4, self.handoffs if standby_engines else None, self.aborts,
                                            c.scheduler, clock=clock)
 
-    def _load_standby(self, rung: str, s: Settings) -> Engine | RemoteRung:
+    def _load_standby(self, rung: str, s: Settings) -> Engine | Remote:
         c = self.config
         if rung == "vllm":
             if c.standby_url is None:
@@ -174,15 +180,18 @@ class ServingEngine:
         if any(not 0 <= t < self.int4.n_vocab for t in r.prompt_ids):
             raise InputError(f"token ids must be in [0, {self.int4.n_vocab})")
         gains = [f for f in r.faults if f.kind == "gain"]
-        if gains and isinstance(self.int4, LlamaServerRung):
+        if not gains:
+            return
+        int4 = self.int4
+        if isinstance(int4, LlamaServerRung):
             raise ConfigError("gain faults need an in-process int4 rung (a remote rung's layers are out of reach)")
         if len(gains) > 1:
             raise ConfigError("the int4 pool takes one gain fault a request (one per slot)")
-        if gains and not (1 <= gains[0].layer < self.int4.n_layer and 0 <= gains[0].channel < self.int4.n_embd):
-            raise ConfigError(f"gain faults apply to layers 1..{self.int4.n_layer - 1} and channels "
-                              f"0..{self.int4.n_embd - 1}, not {gains[0]}")
-        if gains and not self.int4.has_native:
-            raise ConfigError(f"gain faults need the native helpers ({self.int4.native_error})")
+        if not (1 <= gains[0].layer < int4.n_layer and 0 <= gains[0].channel < int4.n_embd):
+            raise ConfigError(f"gain faults apply to layers 1..{int4.n_layer - 1} and channels "
+                              f"0..{int4.n_embd - 1}, not {gains[0]}")
+        if not int4.has_native:
+            raise ConfigError(f"gain faults need the native helpers ({int4.native_error})")
 
     def _submit(self, r: Request, emit: Callable[[Event], None]) -> None:
         self._check(r)
@@ -206,7 +215,7 @@ class ServingEngine:
             if r.start_rung == 0:
                 self.scheduler.submit(m)
             else:  # routed to the standby from the start: a quarantined prompt, an open breaker
-                self.handoffs.submit(m, MoveTo(r.start_rung, poisoned=False), self.clock())
+                self.handoffs.submit(m, MoveTo(r.start_rung, poisoned=False))
         except BaseException:
             self.aborts.end(r.request_id)
             raise
@@ -223,8 +232,8 @@ class ServingEngine:
         """A machine as this engine builds them, not submitted anywhere (tests drive it)."""
         return self._machine(r, lambda _e: None)
 
-    def _return(self, m: RequestMachine, started: float) -> None:
-        self.scheduler.resubmit(m, started)
+    def _return(self, m: RequestMachine) -> None:
+        self.scheduler.resubmit(m)
 
     def generate(self, request: Request) -> AsyncEvents:
         """Submit now (a full queue raises QueueFullError here, before any await) and return the
@@ -284,7 +293,7 @@ class ServingEngine:
         return found
 
     # -- state for metrics -------------------------------------------------------------------------
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> dict[str, float]:
         return {"slots": self.int4.n_slots, "slots_in_use": self.scheduler.slots_in_use,
                 "queue_depth": self.scheduler.depth, "healthy": self.scheduler.healthy,
                 "steps": self.scheduler.steps, "stalls": self.scheduler.stalls,

@@ -36,10 +36,11 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from qladder.actions import Confirm, Done, Leave, Move, MoveTo, Verify
 from qladder.engines.remote import RemoteEnd, RemoteRung
 from qladder.errors import EngineDeadError, EngineError, QueueFullError, RemoteStreamError
 from qladder.health.remote import RemoteToken, check_draft
-from qladder.machine import Action, Confirm, Done, MoveTo, RequestMachine, Verify
+from qladder.machine import RequestMachine
 from qladder.sampling import SamplingParams, TokenLogprob
 from qladder.serving.aborts import AbortRegistry
 from qladder.serving.remote_visit import RemoteVisit
@@ -58,7 +59,7 @@ def _token_faults(m: RequestMachine) -> TokenFaults | None:
 
 _log = logging.getLogger("qladder.remote")
 
-Forward = Callable[[RequestMachine, Action, float], None]
+Forward = Callable[[RequestMachine, Leave], None]
 
 
 @dataclass(frozen=True)
@@ -124,20 +125,20 @@ class RemotePool:
     def standby_active(self) -> int:
         return sum(n for j, n in self._on.items() if j > 0)
 
-    def submit(self, m: RequestMachine, action: Action | None = None, started: float | None = None) -> None:
+    def submit(self, m: RequestMachine, action: Leave | None = None) -> None:
         """Take over a request: a new one on rung m.rung (action None), or one moving here
-        (MoveTo/Verify of a rung of this pool) since `started`. Raises QueueFullError when full."""
+        (MoveTo/Verify of a rung of this pool). Raises QueueFullError when full."""
         if not self._thread.is_alive():
             raise EngineDeadError("the remote pool's thread is gone")
         with self._lock:
             if self._n >= self.config.max_inflight:
                 raise QueueFullError(f"{self._n} requests are in flight on the remote rungs", retry_after_s=1.0)
             self._n += 1
-        asyncio.run_coroutine_threadsafe(self._serve(m, action, started), self._loop)
+        asyncio.run_coroutine_threadsafe(self._serve(m, action), self._loop)
 
-    def resubmit(self, m: RequestMachine, started: float) -> None:
+    def resubmit(self, m: RequestMachine) -> None:
         """A request the standby hands back to rung 0 (policy `return_after`)."""
-        self.submit(m, MoveTo(0, poisoned=False), started)
+        self.submit(m, MoveTo(0, poisoned=False))
 
     def wake(self) -> None:
         """Aborts are seen at the request's next token; nothing to wake."""
@@ -172,9 +173,9 @@ class RemotePool:
         self._started.set()
         self._loop.run_forever()
 
-    async def _serve(self, m: RequestMachine, action: Action | None, started: float | None) -> None:
+    async def _serve(self, m: RequestMachine, action: Move | None) -> None:
         try:
-            await self._drive(m, action, started)
+            await self._drive(m, action)
         except asyncio.CancelledError:
             m.finish(FinishReason.ABORT)  # the pool closes
         except Exception as exc:  # a bug of our own: the request still ends, close() raises it
@@ -185,37 +186,36 @@ class RemotePool:
             with self._lock:
                 self._n -= 1
 
-    async def _drive(self, m: RequestMachine, action: Action | None, started: float | None) -> None:
+    async def _drive(self, m: RequestMachine, action: Move | None) -> None:
         """Run the request on this pool's rungs until it ends or leaves for a rung not here."""
-        when = started if started is not None else self.clock()
         while True:
             if isinstance(action, Done):
                 return
             if isinstance(action, Verify):
                 if action.rung not in self.rungs:
-                    return self._leave(m, action, when)
+                    return self._leave(m, action)
                 action = m.on_verify(await self._greedy_token(m, action.rung))
                 continue
             j = m.rung if action is None else action.rung
             if j not in self.rungs:
-                return self._leave(m, action, when)  # type: ignore[arg-type]
+                assert action is not None  # a new request starts on a rung of this pool
+                return self._leave(m, action)
             if m.rung != j:
-                m.moved(j, when, len(m.context), warm=False)
+                m.moved(j, len(m.context), warm=False)
             action = await self._stream(m, j)
             if action is None:
                 return
-            when = m.left_at  # the hazard's (or the policy's) moment: the handoff's latency starts
 
-    def _leave(self, m: RequestMachine, action: Action, started: float) -> None:
+    def _leave(self, m: RequestMachine, action: Leave) -> None:
         if self.forward is None:
             m.finish(FinishReason.DEGRADED, fallback=True)
             return
         try:
-            self.forward(m, action, started)
+            self.forward(m, action)
         except QueueFullError:  # nothing is lost: the request ends with the explicit fallback
             m.finish(FinishReason.DEGRADED, fallback=True)
 
-    async def _stream(self, m: RequestMachine, j: int) -> Action | None:
+    async def _stream(self, m: RequestMachine, j: int) -> Move | None:
         """Stream the request on remote rung j; None when it ended (done or aborted), else where
         it goes next (a hazard's move, or a policy move)."""
         assert self._client is not None
@@ -237,16 +237,17 @@ class RemotePool:
     def _error(self, m: RequestMachine, detail: str) -> Hazard:
         return Hazard("engine_error", m.rungs[m.rung], m.step, detail=detail)
 
-    async def _tokens(self, m: RequestMachine, rung: RemoteRung, j: int) -> Hazard | Action | None:
+    async def _tokens(self, m: RequestMachine, rung: RemoteRung, j: int) -> Hazard | Leave | None:
         """Judge and release the streamed tokens. None: the request ended (done or aborted); a
         Hazard (the stream is closed on return: the server stops this request); or a policy move."""
+        assert self._client is not None  # made by the loop's thread before any request runs
         deadline = m.config.guard.step_deadline_s
         faults = _token_faults(m) if j == 0 else None  # step faults hit the rung under test only
         visit = RemoteVisit(m)
         n_check = self._draft_size(m, j)
         if n_check:
             visit.await_draft_check(n_check)
-        stream = rung.stream(self._client, m.context, m.params, max(1, m.params.max_tokens - m.step))  # type: ignore[arg-type]
+        stream = rung.stream(self._client, m.context, m.params, max(1, m.params.max_tokens - m.step))
         async with contextlib.aclosing(stream) as items:
             last = self.clock()
             first = True

@@ -6,7 +6,8 @@ Each iteration:
       one prefilling slot, so a long prompt never stalls the others for more than one chunk a
       step; then one of the last accepted token of every decoding slot (monitored every
       `activation_every` steps), the slot whose prefill just ended among them
-    per row: the request's machine judges its own row (guard, step faults) and acts:
+    per row: machine.step judges the request's own row (deadline, guard; a faulted request's
+      row as its RowFaults make it) and the scheduler acts on the action:
       Continue -> the token is pushed next step; MoveTo/Verify -> the request leaves for the
       standby (its slot is freed); Done -> the slot is freed
 A hazard in one row drops only that row's step: the other rows go on.
@@ -35,10 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from qladder.actions import Action, Continue, Done, Leave, MoveTo, StepFailed, Verify
 from qladder.engines.base import StepOutput
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
 from qladder.errors import EngineDeadError, EngineError, QueueFullError
-from qladder.machine import Action, Continue, Done, MoveTo, RequestMachine, StepFailed, Verify, step
+from qladder.machine import RequestMachine, step
 from qladder.serving.aborts import AbortRegistry
 from qladder.serving.handoffs import RungPool
 from qladder.types import FinishReason, Hazard
@@ -77,7 +79,6 @@ class _Slot:
     slot: int
     n_past: int = 0  # positions of this slot in the KV cache
     feed: list[int] = field(default_factory=list)  # ids still to evaluate (prompt, catch-up)
-    started: float = 0.0  # for a request returned from the standby: when the return began
     returning: bool = False
     faults: RowFaults | None = None  # test machinery, only on a request that carries step faults
     gain: bool = False  # a gain fault set on this slot's rows (cleared at release)
@@ -103,7 +104,7 @@ class Int4Scheduler:
         self.config = config or SchedulerConfig()
         self.monitor = engine.has_native  # whether activation peaks can be had at all
         self.clock = clock
-        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._inbox: queue.Queue[tuple[str, RequestMachine]] = queue.Queue()
         self._waiting: deque[_Slot] = deque()  # admitted to the queue, not yet in a slot
         self._count_lock = threading.Lock()
         self._n_waiting = 0  # requests in the pool (waiting or in a slot), behind _count_lock
@@ -142,13 +143,13 @@ class Int4Scheduler:
             self._inbox.put(("new", m))
         self._wake.set()
 
-    def resubmit(self, m: RequestMachine, started: float) -> None:
+    def resubmit(self, m: RequestMachine) -> None:
         """A request the standby hands back to rung 0 (policy `return_after`)."""
         with self._count_lock:
             if not self._accepting:
                 m.finish(FinishReason.ABORT)
                 return
-            self._inbox.put(("return", (m, started)))
+            self._inbox.put(("return", m))
         self._wake.set()
 
     def wake(self) -> None:
@@ -210,13 +211,11 @@ class Int4Scheduler:
             except queue.Empty:
                 return
             if kind == "new":
-                assert isinstance(item, RequestMachine)
                 self._waiting.append(_Slot(item, -1, feed=list(item.prompt), faults=_row_faults(item)))
             else:
-                m, started = item  # type: ignore[misc]
                 self._count(+1)
-                self._waiting.appendleft(_Slot(m, -1, feed=m.context, started=started, returning=True,
-                                               faults=_row_faults(m)))
+                self._waiting.appendleft(_Slot(item, -1, feed=item.context, returning=True,
+                                               faults=_row_faults(item)))
 
     def _drop_aborted(self) -> None:
         for s in [s for s in self._waiting if self.aborts.is_aborted(s.m.request_id)]:
@@ -233,7 +232,7 @@ class Int4Scheduler:
             s.slot = self._free.pop(0)
             if s.returning:  # back from the standby: from its re-prefill on, rung 0's (judged, faulted) work
                 s.returning = False
-                s.m.moved(0, s.started, s.m.step + len(s.m.prompt), warm=False)
+                s.m.moved(0, s.m.step + len(s.m.prompt), warm=False)
             self._slots[s.slot] = s
             prefix = self.engine.prefix
             if prefix and s.n_past == 0 and len(s.feed) > len(prefix) and tuple(s.feed[:len(prefix)]) == prefix:
@@ -366,22 +365,22 @@ class Int4Scheduler:
         if isinstance(action, Continue):
             s.feed = [m.accepted[-1]]
             return
-        self._leave(s, action, m.left_at if isinstance(action, (MoveTo, Verify)) else self.clock())
+        self._leave(s, action)
 
-    def _leave(self, s: _Slot, action: Action, started: float) -> None:
+    def _leave(self, s: _Slot, action: Action) -> None:
         """The request leaves the pool: done, or to the standby (its slot freed either way)."""
         self._release(s)
         if isinstance(action, Done):
             return
         assert isinstance(action, (MoveTo, Verify))
-        self._to_standby(s.m, action, started)
+        self._to_standby(s.m, action)
 
-    def _to_standby(self, m: RequestMachine, action: Action, started: float) -> None:
+    def _to_standby(self, m: RequestMachine, action: Leave) -> None:
         if self.standby is None:
             m.finish(FinishReason.DEGRADED, fallback=True)
             return
         try:
-            self.standby.submit(m, action, started)
+            self.standby.submit(m, action)
         except QueueFullError:  # nothing is lost: the request ends with the explicit fallback
             m.finish(FinishReason.DEGRADED, fallback=True)
 
@@ -449,4 +448,4 @@ class Int4Scheduler:
                                 detail=f"int4 step hung for {took * 1e3:.0f} ms (watchdog)")
                 action = m.on_hazard(hazard, None)
                 if not isinstance(action, Done):
-                    self._to_standby(m, action, m.left_at)
+                    self._to_standby(m, action)

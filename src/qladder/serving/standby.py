@@ -21,9 +21,10 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from qladder.actions import Action, Continue, Done, Leave, MoveTo, StepFailed, Verify
 from qladder.engines.base import Engine, Session, StepOutput
 from qladder.errors import EngineDeadError, EngineError, QueueFullError
-from qladder.machine import Action, Continue, Done, MoveTo, RequestMachine, StepFailed, Verify, step
+from qladder.machine import RequestMachine, step
 from qladder.serving.aborts import AbortRegistry
 from qladder.types import FinishReason, Hazard
 
@@ -34,7 +35,6 @@ _log = logging.getLogger("qladder.standby")
 class _Task:
     m: RequestMachine
     action: Action
-    started: float  # when the hazard (or policy move) that sent it here happened
     enqueued: float
     session: Session | None = None
     unpushed: bool = False
@@ -45,8 +45,8 @@ class StandbyPool:
     """Rungs 1.. of the ladder (`engines[j]` for rung j), stepped by one worker thread."""
 
     def __init__(self, engines: Mapping[int, Engine], aborts: AbortRegistry, max_sessions: int = 4,
-                 max_queue: int = 256, on_return: Callable[[RequestMachine, float], None] | None = None,
-                 forward: Callable[[RequestMachine, Action, float], None] | None = None,
+                 max_queue: int = 256, on_return: Callable[[RequestMachine], None] | None = None,
+                 forward: Callable[[RequestMachine, Leave], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         """on_return: a policy move back to rung 0. forward: a move to a rung not here (a remote
         one; QueueFullError when its pool is full)."""
@@ -67,10 +67,10 @@ class StandbyPool:
         self._thread.start()
 
     # -- any thread ------------------------------------------------------------------------------
-    def submit(self, m: RequestMachine, action: Action, started: float) -> None:
+    def submit(self, m: RequestMachine, action: Action) -> None:
         """Take over a request (the caller gives it up). Raises QueueFullError when full."""
         try:
-            self._inbox.put_nowait(_Task(m, action, started, self.clock()))
+            self._inbox.put_nowait(_Task(m, action, self.clock()))
         except queue.Full:
             raise QueueFullError("the standby's queue is full") from None
 
@@ -156,13 +156,13 @@ class StandbyPool:
             if self.on_return is None:
                 t.action = Continue()
                 return False
-            self.on_return(m, t.started)
+            self.on_return(m)
             return True
         if j not in self.engines:  # a rung on another pool (a remote server)
             self._close(t)
             try:
                 if self.forward is not None:
-                    self.forward(m, action, t.started)
+                    self.forward(m, action)
                     return True
             except QueueFullError:
                 pass
@@ -180,9 +180,8 @@ class StandbyPool:
             t.session = engine.open(ctx)
         except EngineError as exc:
             if not start:
-                m.moved(j, t.started, len(ctx), warm=False)
+                m.moved(j, len(ctx), warm=False)
             t.action = m.on_hazard(Hazard("engine_error", engine.name, m.step, detail=str(exc)), None)
-            t.started = m.left_at
             return isinstance(t.action, Done)
         if isinstance(action, Verify):
             try:
@@ -191,11 +190,11 @@ class StandbyPool:
                 nxt = None
             t.action = m.on_verify(nxt)
             if isinstance(t.action, MoveTo) and t.action.rung == j:
-                m.moved(j, t.started, len(ctx), warm=False)
+                m.moved(j, len(ctx), warm=False)
                 t.action = Continue()
             return isinstance(t.action, Done)
         if not start:
-            m.moved(j, t.started, len(ctx), warm=False)
+            m.moved(j, len(ctx), warm=False)
         t.action = Continue()
         t.unpushed = False
         return False
@@ -213,8 +212,6 @@ class StandbyPool:
         except EngineError as exc:
             out = StepFailed(str(exc))
         t.action = step(m, out, self.clock() - t0)
-        if isinstance(t.action, (MoveTo, Verify)):  # a hazard's move, or the policy's return
-            t.started = m.left_at
         if isinstance(t.action, Done):
             self._close(t)
             return True

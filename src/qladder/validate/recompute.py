@@ -190,6 +190,10 @@ def _identical(outs: Sequence[Outcome]) -> dict[str, Any]:
     return {"computed": len(done), "identical": k, "share": _rate(k, len(done))}
 
 
+def _at_least(limit: float) -> Callable[[float], bool]:
+    return lambda v: v >= limit
+
+
 def _verdict(name: str, value: float | None, limit: float, ok: Callable[[float], bool], note: str = "",
              status: str | None = None) -> dict[str, Any]:
     if status is None:
@@ -347,14 +351,15 @@ def serving_figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
                 cells[str(int(k))] = cells.pop(k)
 
     def tok(name: str, config: str, c: str) -> float | None:
-        return results.get(name, {}).get(config, {}).get(c, {}).get("tok_s")
+        v = results.get(name, {}).get(config, {}).get(c, {}).get("tok_s")
+        return None if v is None else float(v)
 
     ratios = {name: {"guarded_c8_over_c1": ratio(tok(name, "guarded", "8"), tok(name, "guarded", "1")),
                      "guarded_over_raw_c8": ratio(tok(name, "guarded", "8"), tok(name, "raw", "8")),
                      "guarded_over_bare_c8": ratio(tok(name, "guarded", "8"), tok(name, "bare", "8")),
                      "faulted_over_guarded_c8": ratio(tok(name, "guarded_faulted", "8"), tok(name, "guarded", "8"))}
               for name in results}
-    verdicts = [_verdict(f"all prompts: {k}", ratios.get("all", {}).get(k), lim, lambda v, lim=lim: v >= lim,
+    verdicts = [_verdict(f"all prompts: {k}", ratios.get("all", {}).get(k), lim, _at_least(lim),
                          f"screened: {ratios.get('screened', {}).get(k)}") for k, lim in SERVING_TARGETS.items()]
     faulted = [o for o in outs if o.fault is not None]
     via = sum(load_cell([o], slowest)["faulted_answered_via_standby"] for o in faulted)

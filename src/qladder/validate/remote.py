@@ -148,7 +148,7 @@ def tree_rss_mb(pid: int) -> float | None:
     try:
         p = psutil.Process(pid)
         procs = [p, *p.children(recursive=True)]
-        return sum(q.memory_info().rss for q in procs if q.is_running()) / 2**20
+        return float(sum(q.memory_info().rss for q in procs if q.is_running())) / 2**20
     except psutil.Error:
         return None
 

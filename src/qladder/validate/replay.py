@@ -33,8 +33,8 @@ from qladder.incidents import IncidentSink
 from qladder.machine import LadderConfig
 from qladder.model import ModelInfo, user_prompt_ids, user_prompt_ids_bytes
 from qladder.policy import LadderPolicy
+from qladder.prepare import Preparer
 from qladder.sampling import SamplingParams
-from qladder.service import Qladder
 from qladder.serving import ServingConfig, ServingEngine
 from qladder.types import FinishReason, GenerationResult
 from qladder.validate.corpora import Prompt
@@ -146,11 +146,11 @@ class Bare:
 
 
 class Guarded:
-    """Sanitizer + step guard + ladder, on its serving engine (`q` only encodes prompts)."""
+    """Sanitizer + step guard + ladder, on its serving engine (`q` encodes prompts)."""
 
     name = "guarded"
 
-    def __init__(self, served: ServingEngine, q: Qladder):
+    def __init__(self, served: ServingEngine, q: Preparer):
         self.se = served
         self.q = q
 
@@ -193,8 +193,7 @@ def serve_guarded(info: ModelInfo, fp32: Engine, settings: Settings, incidents: 
     se = ServingEngine(ServingConfig(slots=1, n_ctx=settings.n_ctx, int4_threads=settings.n_threads,
                                      standby_threads=settings.n_threads, allow_faults=True),
                        info, settings, incidents, standby_engines=[fp32])
-    q = Qladder(engines=[se.int4, fp32], model=info, settings=settings, sanitize_config=PRESETS["default"])
-    return Guarded(se, q)
+    return Guarded(se, Preparer(info, se.int4.tokenize, min(se.n_ctx), PRESETS["default"]))
 
 
 def continuation_identical(answer: Sequence[int], prefix: int, reference: Sequence[int], finish: str | None) -> bool:

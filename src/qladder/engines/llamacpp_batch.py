@@ -112,6 +112,9 @@ class BatchedLlamaCpp(LlamaVocabMixin):
         params.n_seq_max = n_slots + 1
         params.kv_unified = kv_unified
         params.n_threads = params.n_threads_batch = n_threads
+        # Pinned to what llama.cpp's default (auto) picks on the CPU, and to what LlamaCppEngine
+        # uses: the same kernels, the same rows (tests/test_batched_contract.py).
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         if self._native is not None:
             params.cb_eval = ctypes.cast(self._native.qladder_batch_monitor_cb,
                                          llama_cpp.ggml_backend_sched_eval_callback)

@@ -1,0 +1,116 @@
+"""The engine contract for the remote rungs, on real servers: llama.cpp's llama-server on the
+embedded GGUF and vLLM's CPU build on its fp32 folder, both started by the tests. A remote rung
+streams sampled tokens, not rows, so each clause of tests/test_engines_contract.py reads here as
+what the remote pool relies on: the same vocabulary as the local rungs (fingerprint, n_vocab,
+EOS, detokenize_bytes), every streamed token in the vocabulary with finite logprobs and a top-k,
+an end that says whether the budget ran out, greedy answers that repeat, and continuation by
+token ids (the remote rollback: the context with the first k tokens continues as the whole answer
+did). `score` is what a rung that can check a draft declares."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from qladder.engines.remote import RemoteEnd
+from qladder.engines.remote_llama import LlamaServerRung
+from qladder.engines.remote_vllm import VllmRung
+from qladder.health.remote import RemoteToken
+from qladder.model import user_prompt_ids
+from qladder.peers.llama_server import LlamaServer
+from qladder.sampling import SamplingParams
+
+from .conftest import get_engine
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def llama_server(model_info) -> Iterator[LlamaServer]:
+    with LlamaServer(model_info.path, n_parallel=1, threads=1, n_ctx_per_slot=1024) as s:
+        yield s
+
+
+@pytest.fixture(params=["llama-server", "vllm"])
+def rung(request, model_info) -> Iterator[LlamaServerRung | VllmRung]:
+    if request.param == "llama-server":
+        r: LlamaServerRung | VllmRung = LlamaServerRung(model_info, request.getfixturevalue("llama_server").base_url)
+    else:
+        r = VllmRung(model_info, request.getfixturevalue("vllm_server").base_url)
+    yield r
+    r.close()
+
+
+def _stream(rung, ids: list[int], n: int, params: SamplingParams = GREEDY) -> tuple[list[RemoteToken], RemoteEnd]:
+    async def run() -> tuple[list[RemoteToken], RemoteEnd]:
+        toks: list[RemoteToken] = []
+        async with httpx.AsyncClient(timeout=120) as client:
+            async for item in rung.stream(client, ids, params, n):
+                if isinstance(item, RemoteEnd):
+                    return toks, item
+                toks.append(item)
+        raise AssertionError("the stream ended without a RemoteEnd")
+
+    return asyncio.run(run())
+
+
+def _prompt(model_info, rung, text: str = "Name three colors.") -> list[int]:
+    return user_prompt_ids(model_info.chat_template, text, rung.tokenize)
+
+
+def test_the_vocabulary_is_the_local_rungs(rung):
+    int4 = get_engine("int4")
+    assert rung.remote and rung.n_ctx > 0 and rung.n_slots >= 1
+    assert (rung.n_vocab, rung.eos_ids, rung.fingerprint) == (int4.n_vocab, int4.eos_ids, int4.fingerprint)
+    ids = rung.tokenize("Hola 😊🌍 · naïve — 東京 <|im_end|>", True)
+    assert rung.detokenize_bytes(ids) == int4.detokenize_bytes(ids)
+
+
+def test_every_streamed_token_is_in_the_vocabulary_with_finite_logprobs_and_the_budget_ends_it(rung, model_info):
+    toks, end = _stream(rung, _prompt(model_info, rung), 12)
+    assert len(toks) == 12 and end.length  # ignore_eos: only the budget ends it
+    for t in toks:
+        assert 0 <= t.token_id < rung.n_vocab
+        assert t.logprob is not None and math.isfinite(t.logprob) and t.logprob <= 1e-6
+        assert len(t.top) >= 3 and all(v is not None and math.isfinite(v) for _, v in t.top)
+        assert t.token_id in {i for i, _ in t.top}  # greedy: the drawn token is among the top
+
+
+def test_greedy_answers_repeat_and_continue_by_token_ids(rung, model_info):
+    p = _prompt(model_info, rung)
+    first = [t.token_id for t in _stream(rung, p, 16)[0]]
+    assert [t.token_id for t in _stream(rung, p, 16)[0]] == first
+    k = 6
+    rest, end = _stream(rung, p + first[:k], 16 - k)  # what a handoff to this rung sends
+    assert [t.token_id for t in rest] == first[k:] and end.length
+
+
+def test_an_answer_that_meets_eos_ends_without_the_length_flag(rung, model_info):
+    params = SamplingParams(max_tokens=256, temperature=0.0, logprobs=3)
+    toks, end = _stream(rung, _prompt(model_info, rung, "Say only the word yes."), 256, params)
+    assert toks and not end.length and len(toks) < 256
+
+
+def test_a_rung_that_can_score_gives_the_draft_its_own_likelihood(rung, model_info):
+    p = _prompt(model_info, rung)
+
+    async def score(draft: list[int]) -> list[float]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await rung.score(client, p, draft)
+
+    if not rung.can_score:
+        with pytest.raises(NotImplementedError):
+            asyncio.run(score([1]))
+        return
+    toks = _stream(rung, p, 8)[0]
+    own = asyncio.run(score([t.token_id for t in toks]))
+    assert len(own) == 8
+    for t, lp in zip(toks, own, strict=True):  # one prefill scores what the stream drew, the same
+        assert t.logprob is not None and lp == pytest.approx(t.logprob, abs=0.05)
+    odd = asyncio.run(score([rung.tokenize(" zebra", False)[0]] * 8))
+    assert sum(odd) < sum(own) - 10  # a draft it would not write is far less likely

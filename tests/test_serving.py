@@ -298,3 +298,33 @@ def test_a_copied_prefix_gives_the_rows_of_a_full_prefill(model_info, settings):
         assert e.prefix_copies == 1 and all(torch.equal(a, b) for a, b in zip(full, kept, strict=True))
     finally:
         e.close()
+
+
+def test_each_requests_guard_sets_how_often_its_decodes_are_monitored(model_info, settings, monkeypatch):
+    """The default guard monitors a decode every 32 steps of the pool, the strict one every step
+    (GuardConfig.activation_every, read per request: no separate scheduler knob)."""
+    from qladder.engines.llamacpp_batch import BatchedLlamaCpp
+
+    calls: list[tuple[int, bool]] = []  # (tokens in the decode, monitored) of every decode
+    real = BatchedLlamaCpp.decode
+
+    def spy(self, entries, monitor=False, row_stats=False):
+        calls.append((sum(len(e.ids) for e in entries), monitor))
+        return real(self, entries, monitor, row_stats)
+
+    monkeypatch.setattr(BatchedLlamaCpp, "decode", spy)
+    se = ServingEngine(ServingConfig(slots=1, prefix_cache=False), model_info, settings, standby_engines=[])
+    try:
+        for preset, expect_every in (("strict", 1), ("default", 32)):
+            calls.clear()
+            r = se.request(_ids(se, "Name three colors."), SamplingParams(max_tokens=40, ignore_eos=True),
+                           ladder=LadderConfig(guard=GUARD_PRESETS[preset]))
+            assert len(se.generate_sync(r).token_ids) == 40
+            decodes = [mon for n, mon in calls if n == 1]  # the prefill chunks are always monitored
+            assert all(mon for n, mon in calls if n > 1)
+            if expect_every == 1:
+                assert decodes and all(decodes)
+            else:
+                assert 1 <= sum(decodes) <= -(-len(decodes) // 32) + 1 and not all(decodes)
+    finally:
+        se.close()

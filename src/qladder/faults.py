@@ -129,7 +129,7 @@ class RowFaults:
     engine's). Raises EngineError for an injected kernel error."""
 
     def __init__(self, faults: Sequence[Fault]):
-        self.faults = [f for f in faults if f.kind in STEP_KINDS]
+        self.faults = step_faults(faults)
         self._stalled: set[int] = set()
 
     def stall(self, step: int) -> float | None:
@@ -140,9 +140,14 @@ class RowFaults:
         return out if row is out.row else dataclasses.replace(out, row=row, stats=None)
 
 
+def step_faults(faults: Sequence[Fault]) -> list[Fault]:
+    """The faults that act on a step's output (all but gain, which acts on an engine's layers)."""
+    return [f for f in faults if f.kind in STEP_KINDS]
+
+
 def row_faults(faults: Sequence[Fault]) -> RowFaults | None:
     """The row faults a driver installs for a request, or None when it has none (the usual case)."""
-    return RowFaults(faults) if any(f.kind in STEP_KINDS for f in faults) else None
+    return RowFaults(faults) if step_faults(faults) else None
 
 
 class TokenFaults:
@@ -152,7 +157,7 @@ class TokenFaults:
     stall a gap of S seconds."""
 
     def __init__(self, faults: Sequence[Fault]):
-        self.faults = [f for f in faults if f.kind in STEP_KINDS]
+        self.faults = step_faults(faults)
 
     def token(self, tok: RemoteToken, took_s: float, step: int, n_vocab: int) -> tuple[RemoteToken, float]:
         for f in self.faults:
@@ -170,7 +175,8 @@ class TokenFaults:
 
 
 def token_faults(faults: Sequence[Fault]) -> TokenFaults | None:
-    return TokenFaults(faults) if any(f.kind in STEP_KINDS for f in faults) else None
+    """The token faults the remote pool applies to a request's rung 0, or None without any."""
+    return TokenFaults(faults) if step_faults(faults) else None
 
 
 class FaultySession:

@@ -47,6 +47,15 @@ if TYPE_CHECKING:
     from qladder.faults import Fault
 
 
+def _step_faulted(faults: Sequence[Fault]) -> bool:
+    """Whether the request's faults act on its steps (no fault code runs for one without any)."""
+    if not faults:
+        return False
+    from qladder.faults import step_faults
+
+    return bool(step_faults(faults))
+
+
 def _gains(engine: Engine, faults: Sequence[Fault]) -> contextlib.AbstractContextManager[None]:
     """Test machinery, only for a request that has gain faults: installed on rung 0 for its run."""
     if not any(f.kind == "gain" for f in faults):
@@ -113,7 +122,7 @@ class _Run:
         self.shadow: WarmShadow | None = None
         self.unpushed = False  # the last accepted token is not yet in the current rung's session
         self.monitored = ladder.config.guard.check_activations  # the last forward ran monitored
-        self.faulted = any(f.kind != "gain" for f in m.req.faults)  # step faults: rung 0 wrapped
+        self.faulted = _step_faulted(m.req.faults)  # step faults: rung 0 wrapped
 
     # -- sessions --------------------------------------------------------------------------
     def open(self, j: int) -> tuple[int, bool]:
@@ -180,7 +189,7 @@ class _Run:
             self.open(0)
         except EngineError as exc:
             action = m.on_hazard(Hazard("engine_error", self.L.engines[0].name, 0, detail=str(exc)), None)
-        m.rec.timings["prefill_ms"] = (self.L.clock() - t) * 1e3
+        m.rec.prefill((self.L.clock() - t) * 1e3)
         while not isinstance(action, Done):
             if isinstance(action, Verify):
                 action = self.verify(action.rung)

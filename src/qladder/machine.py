@@ -78,6 +78,17 @@ def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
     return m.accept_row(out.row, token)
 
 
+# What a driver may use of a machine, only to read or call (no driver assigns through `m`):
+# tests/test_driver_views.py reads every driver's source and holds it to this list.
+DRIVER_VIEW = frozenset({
+    # read
+    "request_id", "req", "params", "config", "guard", "rungs", "rung", "prompt", "context", "accepted",
+    "step", "logprobs", "unchecked", "left_at", "rec",
+    # call
+    "on_hazard", "on_verify", "moved", "finish", "accept_token", "hold", "await_check", "check_passed",
+})
+
+
 class RequestMachine:
     """The state of one request on the ladder. Owned by one thread at a time."""
 

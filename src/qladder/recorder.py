@@ -1,8 +1,8 @@
 """What one request leaves on record, apart from its answer: timings, handoffs and incidents.
 
-The machine calls it; a driver reads it through the machine (`m.rec`), and writes only
-`rec.timings["prefill_ms"]` where it timed a real prefill (the in-process ladder; the served
-paths have no prefill of their own: it counts as the time to the first token).
+The machine calls it; a driver reads it through the machine (`m.rec`), and calls only
+`rec.prefill(ms)` where it timed a real prefill (the in-process ladder; the served paths have no
+prefill of their own: it counts as the time to the first token) and `rec.flush`.
 
 - timings: ttft_ms (the first accepted token, EOS included), prefill_ms, total_ms, and the gap
   between consecutive accepted tokens (`step_ms`);
@@ -54,6 +54,10 @@ class Recorder:
         if self._last_accept is not None:
             self.step_ms.append((now - self._last_accept) * 1e3)
         self._last_accept = now
+
+    def prefill(self, ms: float) -> None:
+        """The driver timed the prompt's prefill itself."""
+        self.timings["prefill_ms"] = ms
 
     def total(self) -> None:
         self.timings["total_ms"] = (self.clock() - self.t0) * 1e3

@@ -6,6 +6,7 @@ Each iteration:
       one prefilling slot, so a long prompt never stalls the others for more than one chunk a
       step; then one of the last accepted token of every decoding slot (monitored every
       `activation_every` steps), the slot whose prefill just ended among them
+      (a request's GuardConfig.activation_every: the strict preset monitors every step)
     per row: machine.step judges the request's own row (deadline, guard; a faulted request's
       row as its RowFaults make it) and the scheduler acts on the action:
       Continue -> the token is pushed next step; MoveTo/Verify -> the request leaves for the
@@ -55,7 +56,6 @@ _log = logging.getLogger("qladder.scheduler")
 class SchedulerConfig:
     max_queue: int = 64  # waiting requests beyond the slots; more is a QueueFullError (429)
     prefill_chunk: int = 128  # prompt tokens per batch for one prefilling request
-    activation_every: int = 32  # decode steps between monitored batches (prefill chunks always)
     # A decode past the tightest row's guard deadline (GuardConfig.step_deadline_s) plus this
     # allowance per token in the batch is a stall (a prefill chunk of 128 tokens takes ~0.5 s here).
     deadline_per_token_s: float = 0.02
@@ -290,16 +290,18 @@ class Int4Scheduler:
             self._run_batch([Entry(prefilling.slot, chunk, prefilling.n_past, logits=last)], [prefilling], True)
         entries, batch, _ = self._plan()
         if entries and self.healthy:
-            self._run_batch(entries, batch, self.steps % self.config.activation_every == 0)
+            self._run_batch(entries, batch, False)
         self.steps += 1
 
-    def _run_batch(self, entries: list[Entry], batch: list[_Slot], monitor_due: bool) -> None:
+    def _run_batch(self, entries: list[Entry], batch: list[_Slot], prefill: bool) -> None:
         """One llama_decode, watched. Each request's own guard config decides what it needs: the
-        batch is monitored when one of its rows checks activations (and it is due), row stats are
+        batch is monitored when one of its rows checks activations and is due (a prefill chunk
+        always; a decode every `GuardConfig.activation_every` steps of the pool), row stats are
         computed when one checks logits, and the deadline is the tightest row's."""
         cfg = self.config
         guards = [s.m.config.guard for s in batch]
-        monitor = self.monitor and monitor_due and any(g.check_activations for g in guards)
+        monitor = self.monitor and any(g.check_activations and (prefill or self.steps % g.activation_every == 0)
+                                       for g in guards)
         row_stats = any(g.check_logits for g in guards)
         deadline = min(g.step_deadline_s for g in guards)
         for e, s in zip(entries, batch, strict=True):

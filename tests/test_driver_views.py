@@ -1,6 +1,9 @@
 """The request machine's drivers keep to its declared view (`machine.DRIVER_VIEW`): every use of
-a machine in a driver's source names an attribute on that list, and none assigns through it.
-(The type checker sees the fields; this holds the drivers to the few a driver may touch.)"""
+a machine in a driver's source names an attribute on that list, and none writes through it (no
+assignment or del, no setattr, no method call on one of its fields but the Recorder's two that
+a driver may make: `m.rec.prefill`, `m.rec.flush`). A machine is what the drivers name it: `m`,
+or the `.m` of a slot, a task or a visit. (The type checker sees the fields; this holds the
+drivers to the few a driver may touch.)"""
 
 from __future__ import annotations
 
@@ -32,6 +35,20 @@ def _root_use(node: ast.expr) -> ast.Attribute | None:
     return None
 
 
+FIELD_CALLS = {("rec", "prefill"), ("rec", "flush")}
+
+
+def _chain(node: ast.expr) -> list[str] | None:
+    """`m.a.b` -> ["a", "b"]; None when the chain does not start at a machine."""
+    attrs: list[str] = []
+    while isinstance(node, ast.Attribute):
+        if _is_machine(node.value):
+            return [node.attr, *reversed(attrs)]
+        attrs.append(node.attr)
+        node = node.value
+    return None
+
+
 def _uses(path: Path) -> tuple[set[str], list[str]]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     names: set[str] = set()
@@ -39,6 +56,13 @@ def _uses(path: Path) -> tuple[set[str], list[str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _is_machine(node.value):
             names.add(node.attr)
+        if isinstance(node, ast.Call):
+            chain = _chain(node.func) if isinstance(node.func, ast.Attribute) else None
+            if chain is not None and len(chain) >= 2 and tuple(chain[:2]) not in FIELD_CALLS:
+                writes.append(f"{path.name}:{node.lineno} calls m.{'.'.join(chain)}")
+            if isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") and node.args \
+                    and _is_machine(node.args[0]):
+                writes.append(f"{path.name}:{node.lineno} {node.func.id} on a machine")
         targets: list[ast.expr] = []
         if isinstance(node, ast.Assign):
             targets = list(node.targets)
@@ -72,7 +96,8 @@ def test_the_view_names_only_what_a_machine_has():
 
 def test_the_checker_sees_a_write_and_a_reach(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("def f(s):\n    s.m.rung = 2\n    s.m.rec.timings['x'] = 1\n    return s.m.stream\n")
+    bad.write_text("def f(s, m):\n    s.m.rung = 2\n    s.m.rec.timings['x'] = 1\n    m.accepted.append(3)\n"
+                   "    setattr(m, 'rung', 1)\n    m.rec.flush(None)\n    return s.m.stream\n")
     names, writes = _uses(bad)
     assert "stream" in names - DRIVER_VIEW
-    assert len(writes) == 2
+    assert len(writes) == 4, writes  # the two assignments, the append, the setattr (not rec.flush)

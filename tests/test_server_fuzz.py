@@ -10,6 +10,8 @@ from collections import Counter
 
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
 
 from qladder.engines.llamacpp import LlamaVocab
 from qladder.model import inspect_model
@@ -31,11 +33,17 @@ MAX_EXAMPLES = 1000  # per operation (8 of them)
 def _fuzz(op, counts: Counter[str]) -> None:
     """Up to MAX_EXAMPLES generated cases of one operation; none may get a 5xx."""
 
-    @given(case=op.as_strategy())
+    # Valid bodies and invalid ones (wrong types, missing fields, values outside the schema), as
+    # schemathesis' own test generator mixes them.
+    modes = st.one_of(*(op.as_strategy(mode).map(lambda c, mode=mode: (mode, c)) for mode in GenerationMode))
+
+    @given(drawn=modes)
     @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
               database=None)
-    def run(case) -> None:
+    def run(drawn) -> None:
+        mode, case = drawn
         counts["count"] += 1
+        counts[f"mode {mode.value}"] += 1
         if isinstance(case.body, dict) and "model" in case.body and counts["count"] % 4:
             case.body["model"] = _t.server.model_name  # most cases name the served model, to get past the 404
         response = case.call()
@@ -48,15 +56,15 @@ def _fuzz(op, counts: Counter[str]) -> None:
 
 
 def test_no_generated_request_gets_a_5xx_and_both_outcomes_are_reached():
-    """One test, so that its count is its own: every operation of the schema fuzzed, at least
-    2,000 cases in all, and on both OpenAI routes accepted and refused requests were made."""
+    """One test, so that its count is its own: every operation of the schema fuzzed with valid and
+    invalid bodies, at least 2,000 cases in all (500 of them invalid), and on both OpenAI routes
+    accepted and refused requests were made."""
     counts: Counter[str] = Counter()
     ops = [r.ok() for r in schema.get_all_operations()]
     assert {op.path for op in ops} >= {"/v1/chat/completions", "/v1/completions"}
     for op in ops:
         _fuzz(op, counts)
-    assert counts["count"] >= 2000, counts
+    assert counts["count"] >= 2000 and counts["mode negative"] >= 500, counts
     seen = str(sorted(counts.items()))
     for path in ("/v1/chat/completions", "/v1/completions"):
-        # (how many generated chat bodies are valid varies run to run: 13 to 43 of ~1,300 seen here)
         assert counts[f"POST {path} 200"] >= 5 and counts[f"POST {path} 400"] > 200, seen

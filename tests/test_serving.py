@@ -301,30 +301,31 @@ def test_a_copied_prefix_gives_the_rows_of_a_full_prefill(model_info, settings):
 
 
 def test_each_requests_guard_sets_how_often_its_decodes_are_monitored(model_info, settings, monkeypatch):
-    """The default guard monitors a decode every 32 steps of the pool, the strict one every step
-    (GuardConfig.activation_every, read per request: no separate scheduler knob)."""
-    from qladder.engines.llamacpp_batch import BatchedLlamaCpp
+    """The default guard checks activations every 32 decode steps of the pool, the strict one
+    every step (GuardConfig.activation_every, read per request: no separate scheduler knob), and a
+    default request batched beside a strict one is not handed the peaks its own guard did not ask
+    for (its verdict never depends on its neighbours)."""
+    from qladder.serving.scheduler import Int4Scheduler
 
-    calls: list[tuple[int, bool]] = []  # (tokens in the decode, monitored) of every decode
-    real = BatchedLlamaCpp.decode
+    rows: dict[str, list[bool]] = {}  # request id -> whether each of its rows came with peaks
+    real = Int4Scheduler._on_row
 
-    def spy(self, entries, monitor=False, row_stats=False):
-        calls.append((sum(len(e.ids) for e in entries), monitor))
-        return real(self, entries, monitor, row_stats)
+    def spy(self, s, error, monitored):
+        rows.setdefault(s.m.request_id, []).append(monitored)
+        return real(self, s, error, monitored)
 
-    monkeypatch.setattr(BatchedLlamaCpp, "decode", spy)
-    se = ServingEngine(ServingConfig(slots=1, prefix_cache=False), model_info, settings, standby_engines=[])
+    monkeypatch.setattr(Int4Scheduler, "_on_row", spy)
+    se = ServingEngine(ServingConfig(slots=2, prefix_cache=False), model_info, settings, standby_engines=[])
     try:
-        for preset, expect_every in (("strict", 1), ("default", 32)):
-            calls.clear()
-            r = se.request(_ids(se, "Name three colors."), SamplingParams(max_tokens=40, ignore_eos=True),
-                           ladder=LadderConfig(guard=GUARD_PRESETS[preset]))
-            assert len(se.generate_sync(r).token_ids) == 40
-            decodes = [mon for n, mon in calls if n == 1]  # the prefill chunks are always monitored
-            assert all(mon for n, mon in calls if n > 1)
-            if expect_every == 1:
-                assert decodes and all(decodes)
-            else:
-                assert 1 <= sum(decodes) <= -(-len(decodes) // 32) + 1 and not all(decodes)
+        assert se.scheduler.monitor, "the native helpers did not build: nothing is ever monitored"
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        reqs = {p: se.request(_ids(se, "Name three colors."), params, request_id=p,
+                              ladder=LadderConfig(guard=GUARD_PRESETS[p])) for p in ("strict", "default")}
+        results = _concurrently(lambda k: se.generate_sync(list(reqs.values())[k]), 2)
+        assert [len(r.token_ids) for r in results] == [40, 40]
     finally:
         se.close()
+    strict, default = rows["strict"], rows["default"]
+    assert len(strict) == len(default) == 40  # the prefill's row, then 39 decodes each
+    assert all(strict)
+    assert default[0] and 1 <= sum(default[1:]) <= 3  # its prefill, then its own every-32nd decodes

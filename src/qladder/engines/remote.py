@@ -44,7 +44,6 @@ class RemoteEnd:
 class RemoteRung(Protocol):
     name: str
     base_url: str
-    remote: bool  # True: the ladder drives this rung from the remote pool, not a local thread
     n_ctx: int
     n_slots: int
     n_vocab: int
@@ -79,7 +78,6 @@ class HttpRung(LlamaVocab):
     TokenizerMismatchError."""
 
     server = "a server"  # how messages name it
-    remote = True
     can_score = False
 
     def __init__(self, info: ModelInfo, base_url: str, n_probs: int, timeout_s: float):

@@ -52,7 +52,9 @@ if TYPE_CHECKING:
     from qladder.faults import Fault
 
 _log = logging.getLogger("qladder.serving")
-Remote = LlamaServerRung | VllmRung  # the remote rungs this engine knows how to drive
+# The remote rungs this engine drives from its remote pool (a ladder's rungs are sorted by type:
+# any other rung is an in-process Engine on the standby's thread).
+Remote = LlamaServerRung | VllmRung
 
 
 @dataclass(frozen=True)

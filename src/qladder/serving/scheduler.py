@@ -294,14 +294,17 @@ class Int4Scheduler:
         self.steps += 1
 
     def _run_batch(self, entries: list[Entry], batch: list[_Slot], prefill: bool) -> None:
-        """One llama_decode, watched. Each request's own guard config decides what it needs: the
-        batch is monitored when one of its rows checks activations and is due (a prefill chunk
-        always; a decode every `GuardConfig.activation_every` steps of the pool), row stats are
-        computed when one checks logits, and the deadline is the tightest row's."""
+        """One llama_decode, watched. Each request's own guard config decides what it needs: a
+        row's activations are checked when its guard checks them and is due (a prefill chunk
+        always; a decode every `GuardConfig.activation_every` steps of the pool), and the batch is
+        monitored when one row is (the others' peaks are not handed to them: a request's verdict
+        never depends on its neighbours); row stats are computed when one checks logits, and the
+        deadline is the tightest row's."""
         cfg = self.config
         guards = [s.m.config.guard for s in batch]
-        monitor = self.monitor and any(g.check_activations and (prefill or self.steps % g.activation_every == 0)
-                                       for g in guards)
+        due = [self.monitor and g.check_activations and (prefill or self.steps % g.activation_every == 0)
+               for g in guards]
+        monitor = any(due)
         row_stats = any(g.check_logits for g in guards)
         deadline = min(g.step_deadline_s for g in guards)
         for e, s in zip(entries, batch, strict=True):
@@ -334,12 +337,12 @@ class Int4Scheduler:
             self.engine.clear_abort()
             self._probe()
             return
-        for e, s in zip(entries, batch, strict=True):
+        for e, s, d in zip(entries, batch, due, strict=True):
             s.n_past += len(e.ids)
             del s.feed[: len(e.ids)]
             if not e.logits and error is None:
                 continue
-            self._on_row(s, error, monitor)
+            self._on_row(s, error, d)
         self.rows_s += time.perf_counter() - t1
         self.rows += len(batch)
 

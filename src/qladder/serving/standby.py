@@ -67,7 +67,7 @@ class StandbyPool:
         self._thread.start()
 
     # -- any thread ------------------------------------------------------------------------------
-    def submit(self, m: RequestMachine, action: Action) -> None:
+    def submit(self, m: RequestMachine, action: Leave) -> None:
         """Take over a request (the caller gives it up). Raises QueueFullError when full."""
         try:
             self._inbox.put_nowait(_Task(m, action, self.clock()))

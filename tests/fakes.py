@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from qladder.client import AsyncEvents, Request
 from qladder.errors import ConfigError, QueueFullError, check_prompt_fits
 from qladder.faults import Fault
-from qladder.machine import LadderConfig
+from qladder.policy import LadderConfig
 from qladder.sampling import SamplingParams
 from qladder.types import (
     Event,

@@ -299,7 +299,8 @@ def test_a_remote_rung_holds_a_window_back_and_a_diffused_one_is_rolled_back_who
     from qladder.actions import MoveTo
     from qladder.client import Request
     from qladder.health.remote import RemoteToken
-    from qladder.machine import LadderConfig, RequestMachine
+    from qladder.machine import RequestMachine
+    from qladder.policy import LadderConfig
     from qladder.serving.remote_visit import RemoteVisit
 
     events = []
@@ -339,7 +340,8 @@ def test_check_draft_refuses_the_first_token_the_standby_finds_far_less_likely()
 
 def _draft_machine(max_tokens: int = 16):
     from qladder.client import Request
-    from qladder.machine import LadderConfig, RequestMachine
+    from qladder.machine import RequestMachine
+    from qladder.policy import LadderConfig
     from qladder.sampling import SamplingParams
     from qladder.serving.remote_visit import RemoteVisit
 

@@ -12,8 +12,8 @@ from qladder.errors import ConfigError, QueueFullError
 from qladder.faults import parse_fault
 from qladder.health.guard import GUARD_PRESETS
 from qladder.incidents import IncidentStore
-from qladder.machine import LadderConfig
 from qladder.model import user_prompt_ids
+from qladder.policy import LadderConfig
 from qladder.sampling import SamplingParams
 from qladder.serving import SchedulerConfig, ServingConfig, ServingEngine
 from qladder.stream import _complete

@@ -22,7 +22,7 @@ from qladder.types import Event, FinalEvent
 
 if TYPE_CHECKING:
     from qladder.faults import Fault
-    from qladder.machine import LadderConfig
+    from qladder.policy import LadderConfig
 
 
 @dataclass(frozen=True)

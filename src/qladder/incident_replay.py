@@ -64,8 +64,8 @@ def replay_incidents(rows: Sequence[dict[str, Any]], rungs: Sequence[str], limit
     from qladder.engines import check_rungs, load_engine
     from qladder.faults import parse_fault
     from qladder.ladder import Ladder
-    from qladder.machine import LadderConfig
     from qladder.model import inspect_model
+    from qladder.policy import LadderConfig
     from qladder.sampling import SamplingParams
 
     check_rungs(rungs)

@@ -35,8 +35,9 @@ from qladder.engines.base import Engine, Session, StepOutput, check_handoff
 from qladder.errors import EngineError, check_prompt_fits
 from qladder.health.guard import StepGuard
 from qladder.incidents import IncidentSink
-from qladder.machine import LadderConfig, RequestMachine, step
+from qladder.machine import RequestMachine, step
 from qladder.model import ModelInfo
+from qladder.policy import LadderConfig
 from qladder.sampling import SamplingParams
 from qladder.shadow import WarmShadow
 from qladder.types import GenerationResult, Hazard

@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from qladder.actions import Action, Confirm, Continue, Done, Move, MoveTo, StepFailed, Verify
 from qladder.client import Request
 from qladder.engines.base import StepOutput
-from qladder.health.guard import GUARD_PRESETS, GuardConfig, StepGuard
-from qladder.health.repetition import loop_start
-from qladder.incidents import Incident, IncidentSink, prompt_hash
+from qladder.health.guard import StepGuard
+from qladder.incidents import IncidentSink
 from qladder.policy import Handoff as HandoffAction
-from qladder.policy import LadderPolicy, Stop
+from qladder.policy import LadderConfig, Stop
 from qladder.recorder import Recorder
 from qladder.sampling import Sampler, TokenLogprob, token_logprob
 from qladder.stream import TextStream, TokenBytes
@@ -45,15 +43,6 @@ from qladder.types import (
     HazardEvent,
     TokenEvent,
 )
-
-
-@dataclass(frozen=True)
-class LadderConfig:
-    guard: GuardConfig = field(default_factory=lambda: GUARD_PRESETS["default"])
-    policy: LadderPolicy = field(default_factory=LadderPolicy)
-    warm_shadow: bool = False
-    shadow_sync_every: int = 16
-    record_incidents: bool = True  # a bare configuration keeps no incident records
 
 
 def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
@@ -234,9 +223,7 @@ class RequestMachine:
         action = policy.on_hazard(hazard, self.rung, len(self.rungs), len(self.rec.handoffs), reproduced)
         label = (f"handoff:{self.rungs[action.to]}" if isinstance(action, HandoffAction)
                  else f"stop:{action.reason}")
-        self.rec.incident(Incident(
-            self.request_id, prompt_hash(self.prompt), self.prompt, self.req.prompt_text, hazard, label, None,
-            [str(f) for f in self.req.faults], time.time()))
+        self.rec.incident(self.req, self.prompt, hazard, label)
         if isinstance(action, Stop):
             return Done(self.finish(action.reason, fallback=action.fallback))
         return MoveTo(action.to, poisoned=True)
@@ -262,12 +249,8 @@ class RequestMachine:
     def withhold_loop(self) -> None:
         """An answer that ends on a repetition hazard keeps one copy of the repeated pattern."""
         h = self.hazards[-1] if self.hazards else None
-        if h is None or h.check != "repetition" or h.value is None or h.step != self.step:
-            return
-        period = int(h.value)
-        keep = loop_start(self.stream.ids, period) + period
-        if keep < self.step:
-            self.stream.truncate(keep)
+        if h is not None and h.check == "repetition" and h.value is not None and h.step == self.step:
+            self.stream.keep_one_period(int(h.value))
 
     def finish(self, reason: FinishReason, fallback: bool = False) -> GenerationResult:
         """End the request: release what is left (never a partial character), flush incidents,

@@ -11,8 +11,9 @@ The policy never touches an engine (tenacity's DoAttempt/DoSleep shape).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from qladder.health.guard import GUARD_PRESETS, GuardConfig
 from qladder.types import FinishReason, Hazard
 
 
@@ -60,3 +61,14 @@ class LadderPolicy:
                 and handoffs < self.max_handoffs):
             return Handoff(0)
         return Continue()
+
+
+@dataclass(frozen=True)
+class LadderConfig:
+    """How one request climbs: the guard's checks, the handoff policy, the warm shadow, records."""
+
+    guard: GuardConfig = field(default_factory=lambda: GUARD_PRESETS["default"])
+    policy: LadderPolicy = field(default_factory=LadderPolicy)
+    warm_shadow: bool = False
+    shadow_sync_every: int = 16
+    record_incidents: bool = True  # a bare configuration keeps no incident records

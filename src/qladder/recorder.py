@@ -17,10 +17,15 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from qladder.incidents import Incident, IncidentSink
-from qladder.types import Event, Handoff, HandoffEvent
+from qladder.incidents import Incident, IncidentSink, prompt_hash
+from qladder.types import Event, Handoff, HandoffEvent, Hazard
+
+if TYPE_CHECKING:
+    from qladder.client import Request
 
 _log = logging.getLogger("qladder.incidents")
 
@@ -78,8 +83,12 @@ class Recorder:
         self.emit(HandoffEvent(self.request_id, h))
         self.flush(latency_ms)
 
-    def incident(self, inc: Incident) -> None:
-        self._pending.append(inc)
+    def incident(self, req: Request, prompt: Sequence[int], hazard: Hazard, action: str) -> None:
+        """A hazard and what the policy did about it (`handoff:<rung>` or `stop:<reason>`): written
+        once the handoff's latency is known (or at the end)."""
+        ids = list(prompt)
+        self._pending.append(Incident(req.request_id, prompt_hash(ids), ids, req.prompt_text, hazard, action, None,
+                                      [str(f) for f in req.faults], time.time()))
 
     def flush(self, latency_ms: float | None) -> None:
         """Write the waiting incidents (a handoff's with its latency)."""

@@ -74,6 +74,10 @@ class TextStream:
         del self.ids[n:]
         del self._pieces[n:]
 
+    def keep_one_period(self, period: int) -> None:
+        """An answer that ends on a loop of `period` tokens keeps one copy of the repeated pattern."""
+        self.truncate(loop_start(self.ids, period) + period)
+
     def _loop_hold(self) -> int:
         """Tokens from the end that the loop rule holds back."""
         ids, n, hold = self.ids, len(self.ids), 0

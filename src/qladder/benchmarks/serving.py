@@ -42,8 +42,8 @@ from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
 from qladder.faults import Fault, parse_fault
 from qladder.health.guard import GUARD_PRESETS, GuardConfig
 from qladder.health.repetition import find_repetition
-from qladder.machine import LadderConfig
 from qladder.model import inspect_model, user_prompt_ids
+from qladder.policy import LadderConfig
 from qladder.sampling import SamplingParams
 from qladder.serving import SchedulerConfig, ServingConfig, ServingEngine
 from qladder.serving.engine import template_prefix

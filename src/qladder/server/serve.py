@@ -22,8 +22,8 @@ from qladder.config import Settings
 from qladder.engines.llamacpp import LlamaVocab
 from qladder.health.guard import GUARD_PRESETS
 from qladder.incidents import IncidentStore, IncidentWriter
-from qladder.machine import LadderConfig
 from qladder.model import ModelInfo
+from qladder.policy import LadderConfig
 from qladder.prepare import Preparer
 from qladder.sanitize import PRESETS as SANITIZE_PRESETS
 from qladder.server.app import create_app

@@ -38,8 +38,9 @@ from qladder.engines.remote_vllm import VllmRung
 from qladder.errors import ConfigError, InputError, check_prompt_fits
 from qladder.health.guard import StepGuard
 from qladder.incidents import IncidentSink
-from qladder.machine import LadderConfig, RequestMachine
+from qladder.machine import RequestMachine
 from qladder.model import ModelInfo, inspect_model, user_prompt_ids
+from qladder.policy import LadderConfig
 from qladder.sampling import SamplingParams
 from qladder.serving.aborts import AbortRegistry
 from qladder.serving.handoffs import Handoffs

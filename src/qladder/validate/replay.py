@@ -30,9 +30,8 @@ from qladder.errors import InputError
 from qladder.faults import Fault, FaultySession, engine_faults, step_faults
 from qladder.health.guard import GUARD_PRESETS
 from qladder.incidents import IncidentSink
-from qladder.machine import LadderConfig
 from qladder.model import ModelInfo, user_prompt_ids, user_prompt_ids_bytes
-from qladder.policy import LadderPolicy
+from qladder.policy import LadderConfig, LadderPolicy
 from qladder.prepare import Preparer
 from qladder.sampling import SamplingParams
 from qladder.serving import ServingConfig, ServingEngine

@@ -308,10 +308,13 @@ def test_each_requests_guard_sets_how_often_its_decodes_are_monitored(model_info
     from qladder.serving.scheduler import Int4Scheduler
 
     rows: dict[str, list[bool]] = {}  # request id -> whether each of its rows came with peaks
+    together: list[int] = []  # requests in slots at each of the default request's rows
     real = Int4Scheduler._on_row
 
     def spy(self, s, error, monitored):
         rows.setdefault(s.m.request_id, []).append(monitored)
+        if s.m.request_id == "default":
+            together.append(len(self._slots))
         return real(self, s, error, monitored)
 
     monkeypatch.setattr(Int4Scheduler, "_on_row", spy)
@@ -328,4 +331,5 @@ def test_each_requests_guard_sets_how_often_its_decodes_are_monitored(model_info
     strict, default = rows["strict"], rows["default"]
     assert len(strict) == len(default) == 40  # the prefill's row, then 39 decodes each
     assert all(strict)
+    assert sum(n == 2 for n in together) >= 30  # decoded beside the strict one, not after it
     assert default[0] and 1 <= sum(default[1:]) <= 3  # its prefill, then its own every-32nd decodes

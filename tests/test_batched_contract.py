@@ -130,3 +130,31 @@ def test_detokenize_bytes_agrees_with_the_per_request_engine(batched):
     ids = batched.tokenize("Hola 😊🌍 · naïve — 東京 <|im_end|>", True)
     assert batched.detokenize_bytes(ids) == get_engine("int4").detokenize_bytes(ids)
     assert batched.detokenize_bytes(ids).decode("utf-8") == batched.detokenize(ids)
+
+
+def test_a_prompt_prefilled_in_chunks_carries_its_peaks_to_the_last_chunk(batched, model_info):
+    """The INT4 scheduler prefills a long prompt in chunks and judges only the last chunk's row:
+    with `carry_peaks` on every chunk after the first, the peaks read then are those of every
+    position of the prompt, as a prefill at once gives them (position 0's massive activation
+    included); without it, only the last chunk's."""
+    assert batched.has_native, batched.native_error
+    p = _prompt(model_info, batched, "Summarize the plot of a long novel about a lighthouse keeper, "
+                                     "his daughter and the storm that changed their island, in detail.")
+    k = 16
+    assert len(p) > 2 * k
+    batched.truncate(0, 0)
+    batched.decode([Entry(0, p, 0)], monitor=True)
+    whole = [t.clone() for t in batched.peaks(0)]
+
+    def chunked(carry: bool) -> list[torch.Tensor]:
+        batched.truncate(0, 0)
+        for i in range(0, len(p), k):
+            last = i + k >= len(p)
+            batched.decode([Entry(0, p[i:i + k], i, logits=last, carry_peaks=carry and i > 0)], monitor=True)
+        return [t.clone() for t in batched.peaks(0)]
+
+    carried, alone = chunked(True), chunked(False)
+    for c, w in zip(carried, whole, strict=True):  # the same positions, chunked matmuls: close, not bit-equal
+        assert torch.allclose(c, w, rtol=1e-2, atol=1e-2)
+    assert bool((alone[0] <= carried[0] * (1 + 1e-2)).all())
+    assert float(carried[0].max()) > 4 * float(alone[0].max())  # the first chunk held the biggest peak

@@ -78,3 +78,40 @@ def test_a_request_without_faults_runs_no_fault_code(tmp_path):
     faulted = seen["faulted"]
     assert faulted["status"] == 200 and faulted["fault_modules"] == ["qladder.faults"]
     assert {"set_gain", "clear_gain"} <= set(faulted["hooks"]) and faulted["hazards"]
+
+
+# Where fault code may be reached at run time: its own module, the seam, and the tools that are
+# test machinery themselves (validation, benchmarks); the package's lazy public names.
+FAULT_REACH = {"faults.py", "fault_seam.py", "__init__.py"}
+FAULT_TOOLS = ("validate/", "benchmarks/")
+
+
+def _runtime_fault_imports(path):
+    """Lines of `path` that import qladder.faults outside an `if TYPE_CHECKING:` block."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    typing_only = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            typing_only |= {id(n) for b in node.body for n in ast.walk(b)}
+    return [n.lineno for n in ast.walk(tree) if id(n) not in typing_only and (
+        (isinstance(n, ast.ImportFrom) and n.module == "qladder.faults")
+        or (isinstance(n, ast.ImportFrom) and n.module == "qladder" and any(a.name == "faults" for a in n.names))
+        or (isinstance(n, ast.Import) and any(a.name == "qladder.faults" for a in n.names)))]
+
+
+def test_fault_code_is_reached_only_through_the_seam():
+    """`grep faults`, as a test: no production module imports qladder.faults at run time but the
+    seam (type-only imports are allowed; validation and benchmarks are test machinery)."""
+    from pathlib import Path
+
+    import qladder
+
+    src = Path(qladder.__file__).parent
+    reach = {str(p.relative_to(src)): lines for p in sorted(src.rglob("*.py"))
+             if (lines := _runtime_fault_imports(p))}
+    assert reach, "the checker found no import at all: it is not looking"
+    outside = {f: ls for f, ls in reach.items() if f not in FAULT_REACH and not f.startswith(FAULT_TOOLS)}
+    assert outside == {}, f"fault code reached outside the seam: {outside}"
+    assert "fault_seam.py" in reach

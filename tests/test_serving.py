@@ -333,3 +333,39 @@ def test_each_requests_guard_sets_how_often_its_decodes_are_monitored(model_info
     assert all(strict)
     assert sum(n == 2 for n in together) >= 30  # decoded beside the strict one, not after it
     assert default[0] and 1 <= sum(default[1:]) <= 3  # its prefill, then its own every-32nd decodes
+
+
+def test_an_outlier_in_an_early_prefill_chunk_is_judged_on_the_last_chunks_row(model_info, settings):
+    """A prompt longer than `prefill_chunk` is prefilled in chunks and only the last chunk's row is
+    judged: the peaks of the earlier chunks must reach it. A guard whose activation bound sits
+    between the whole prompt's peak (position 0, in the first chunk) and the last chunk's own must
+    fire at the prefill, as on the one-sequence engine that prefills the prompt at once."""
+    from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
+
+    k = 16
+    probe = BatchedLlamaCpp(model_info, n_slots=1, n_ctx=512, n_threads=1, native_dir=settings.cache_dir)
+    try:
+        assert probe.has_native, probe.native_error
+        ids = user_prompt_ids(model_info.chat_template, "Summarize the plot of a long novel about a lighthouse "
+                              "keeper, his daughter and the storm that changed their island.", probe.tokenize)
+        assert len(ids) > 2 * k
+        probe.decode([Entry(0, ids, 0)], monitor=True)
+        top = float(probe.peaks(0)[0].max())
+        start = (len(ids) - 1) // k * k  # the last chunk's first position
+        probe.truncate(0, start)
+        probe.decode([Entry(0, ids[start:], start)], monitor=True)
+        last = float(probe.peaks(0)[0].max())
+        limit = probe.activation_limit
+    finally:
+        probe.close()
+    assert top > 4 * last
+    guard = dataclasses.replace(GUARD_PRESETS["default"], activation_fraction=(top * last) ** 0.5 / limit,
+                                step_deadline_s=60.0)
+    se = ServingEngine(ServingConfig(slots=1, prefix_cache=False, scheduler=SchedulerConfig(prefill_chunk=k),
+                                     ladder=LadderConfig(guard=guard)), model_info, settings, standby_engines=[])
+    try:
+        r = se.generate_sync(se.request(ids, SamplingParams(max_tokens=4)))
+    finally:
+        se.close()
+    assert [(h.check, h.step) for h in r.hazards][:1] == [("activation", 0)], r.hazards
+    assert r.fallback and r.token_ids == []

@@ -81,9 +81,9 @@ def generate(
 def _generate(prompt: str, ladder: str, max_tokens: int, temperature: float, top_p: float, top_k: int,
               seed: int, stop: list[str], faults: list[str], guard: str, sanitize: str, warm_shadow: bool,
               return_after: int | None, model: Path | None, incidents: Path | None) -> dict[str, Any]:
+    from qladder import fault_seam
     from qladder.config import Settings
     from qladder.errors import ConfigError
-    from qladder.faults import parse_fault
     from qladder.health.guard import GUARD_PRESETS
     from qladder.incidents import IncidentStore
     from qladder.ladder import LadderConfig
@@ -102,7 +102,7 @@ def _generate(prompt: str, ladder: str, max_tokens: int, temperature: float, top
         raise ConfigError(f"unknown sanitize preset {sanitize!r}; choose from {', '.join(PRESETS)}")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop))
-    parsed = [parse_fault(f) for f in faults]
+    parsed = list(fault_seam.parse(faults))
     _quiet_libraries()
     settings = Settings.from_env()
     store = IncidentStore(incidents or settings.cache_dir / "incidents.sqlite3")

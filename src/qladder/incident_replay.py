@@ -60,9 +60,9 @@ def group_prompts(rows: Sequence[dict[str, Any]], limit: int) -> list[dict[str, 
 
 def replay_incidents(rows: Sequence[dict[str, Any]], rungs: Sequence[str], limit: int = 20,
                      with_faults: bool = False) -> dict[str, Any]:
+    from qladder import fault_seam
     from qladder.config import Settings
     from qladder.engines import check_rungs, load_engine
-    from qladder.faults import parse_fault
     from qladder.ladder import Ladder
     from qladder.model import inspect_model
     from qladder.policy import LadderConfig
@@ -82,7 +82,7 @@ def replay_incidents(rows: Sequence[dict[str, Any]], rungs: Sequence[str], limit
                 if g["prompt_ids"] is None:
                     out["rungs"][rung] = {"verdict": "redacted", "hazards": []}
                     continue
-                faults = [parse_fault(f) for f in g["faults"]] if with_faults else []
+                faults = list(fault_seam.parse(g["faults"])) if with_faults else []
                 params = SamplingParams(max_tokens=max(16, g["step"] + 8))
                 res = ladder.generate(g["prompt_ids"], params, faults)
                 checks = [h.check for h in res.hazards]

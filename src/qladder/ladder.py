@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from qladder import fault_seam
 from qladder.actions import Action, Continue, Done, MoveTo, StepFailed, Verify
 from qladder.client import Request
 from qladder.engines import instrument
@@ -46,24 +47,6 @@ __all__ = ["Ladder", "LadderConfig"]
 
 if TYPE_CHECKING:
     from qladder.faults import Fault
-
-
-def _step_faulted(faults: Sequence[Fault]) -> bool:
-    """Whether the request's faults act on its steps (no fault code runs for one without any)."""
-    if not faults:
-        return False
-    from qladder.faults import step_faults
-
-    return bool(step_faults(faults))
-
-
-def _gains(engine: Engine, faults: Sequence[Fault]) -> contextlib.AbstractContextManager[None]:
-    """Test machinery, only for a request that has gain faults: installed on rung 0 for its run."""
-    if not any(f.kind == "gain" for f in faults):
-        return contextlib.nullcontext()
-    from qladder.faults import engine_faults
-
-    return engine_faults(engine, faults)  # (it takes the gain faults among them)
 
 
 class Ladder:
@@ -106,7 +89,7 @@ class Ladder:
         m = RequestMachine(req, [e.name for e in self.engines], [e.n_ctx for e in self.engines], e0.eos_ids,
                            e0.detokenize_bytes, self.config, self.guard, self.incidents, clock=self.clock)
         run = _Run(self, m)
-        with _gains(e0, faults):
+        with fault_seam.engine_gains(e0, faults):  # the request's gain faults on rung 0, if any
             try:
                 return run.loop()
             finally:
@@ -123,7 +106,6 @@ class _Run:
         self.shadow: WarmShadow | None = None
         self.unpushed = False  # the last accepted token is not yet in the current rung's session
         self.monitored = ladder.config.guard.check_activations  # the last forward ran monitored
-        self.faulted = _step_faulted(m.req.faults)  # step faults: rung 0 wrapped
 
     # -- sessions --------------------------------------------------------------------------
     def open(self, j: int) -> tuple[int, bool]:
@@ -141,10 +123,8 @@ class _Run:
             self.sessions[j] = s
             return caught, True
         session = engine.open(ctx)
-        if j == 0 and self.faulted:  # test machinery: the request's step faults hit rung 0's rows
-            from qladder.faults import FaultySession
-
-            session = FaultySession(session, self.m.req.faults, len(self.m.prompt), self.L.sleep)
+        if j == 0:  # the request's step faults, if any, hit rung 0's rows
+            session = fault_seam.session(session, self.m.req.faults, len(self.m.prompt), self.L.sleep)
         self.sessions[j] = session
         return len(ctx), False
 

@@ -144,7 +144,7 @@ class RequestMachine:
         """The check passed (or could not say): release all but the last `hold` tokens."""
         self.unchecked = False
         self.stream.hold = hold
-        self.release()
+        self._release()
 
     def accept_token(self, token: int, logprob: TokenLogprob | None = None) -> Action:
         """A healthy token a remote rung sampled: accept it (no row here: the server sampled)."""
@@ -169,7 +169,7 @@ class RequestMachine:
         if self.logprobs is not None:
             self.logprobs.append(lp if lp is not None else TokenLogprob(token, float("nan")))
         self.streak += 1
-        self.release()
+        self._release()
         if self.stream.stopped_at is not None:
             return Done(self.finish(FinishReason.STOP))
         if self.step >= self.params.max_tokens or len(self.context) >= self.n_ctx[self.rung]:
@@ -186,7 +186,7 @@ class RequestMachine:
             return Confirm(reason)
         return Done(self.finish(reason))
 
-    def release(self, final: bool = False) -> None:
+    def _release(self, final: bool = False) -> None:
         start = self.stream.released
         n, text = self.stream.release(final)
         if n:
@@ -199,9 +199,9 @@ class RequestMachine:
         self.left_at = now = self.clock()  # the handoff's latency counts from here
         self.rec.close_handoff(now, self.step)  # a handoff whose new rung failed before its first token
         if hazard.check == "verify":  # the standby refused token `step`: continue from the ones before it
-            self.rollback_unreleased(hazard.step)
+            self._rollback_unreleased(hazard.step)
         elif hazard.check == "diffuse" or self.unchecked:  # suspect, or never checked: roll back what was held
-            self.rollback_unreleased()
+            self._rollback_unreleased()
         self.unchecked = False
         self.hazards.append(hazard)
         self.emit(HazardEvent(self.request_id, hazard))
@@ -209,16 +209,16 @@ class RequestMachine:
         if hazard.check == "repetition" and row is not None and self.rung + 1 < len(self.rungs):
             self.pending_hazard, self.pending_row_argmax = hazard, int(row.argmax())
             return Verify(self.rung + 1)
-        return self.decide(hazard, None)
+        return self._decide(hazard, None)
 
     def on_verify(self, next_argmax: int | None) -> Move:
         """The next rung's greedy token on the same context (None: it failed to say)."""
         hazard, self.pending_hazard = self.pending_hazard, None
         assert hazard is not None
         reproduced = None if next_argmax is None else next_argmax == self.pending_row_argmax
-        return self.decide(hazard, reproduced)
+        return self._decide(hazard, reproduced)
 
-    def decide(self, hazard: Hazard, reproduced: bool | None) -> MoveTo | Done:
+    def _decide(self, hazard: Hazard, reproduced: bool | None) -> MoveTo | Done:
         policy = self.config.policy
         action = policy.on_hazard(hazard, self.rung, len(self.rungs), len(self.rec.handoffs), reproduced)
         label = (f"handoff:{self.rungs[action.to]}" if isinstance(action, HandoffAction)
@@ -228,7 +228,7 @@ class RequestMachine:
             return Done(self.finish(action.reason, fallback=action.fallback))
         return MoveTo(action.to, poisoned=True)
 
-    def rollback_unreleased(self, keep: int = 0) -> None:
+    def _rollback_unreleased(self, keep: int = 0) -> None:
         """Forget the accepted tokens past `keep` not yet released (the next rung continues from
         the rest)."""
         keep = max(keep, self.stream.released)
@@ -246,20 +246,17 @@ class RequestMachine:
         self.stream.hold = 0
 
     # -- endings ---------------------------------------------------------------------------------
-    def withhold_loop(self) -> None:
-        """An answer that ends on a repetition hazard keeps one copy of the repeated pattern."""
-        h = self.hazards[-1] if self.hazards else None
-        if h is not None and h.check == "repetition" and h.value is not None and h.step == self.step:
-            self.stream.keep_one_period(int(h.value))
-
     def finish(self, reason: FinishReason, fallback: bool = False) -> GenerationResult:
         """End the request: release what is left (never a partial character), flush incidents,
-        emit the final event. Idempotent."""
+        emit the final event. An answer that ends on a repetition hazard keeps one copy of the
+        repeated pattern. Idempotent."""
         if self.done is not None:
             return self.done
         self.rec.close_handoff(self.clock(), self.step)
-        self.withhold_loop()
-        self.release(final=True)
+        h = self.hazards[-1] if self.hazards else None
+        if h is not None and h.check == "repetition" and h.value is not None and h.step == self.step:
+            self.stream.keep_one_period(int(h.value))
+        self._release(final=True)
         ids = self.stream.final_ids
         text = self.stream.text
         if fallback and not ids:

@@ -64,6 +64,9 @@ class Entry:
     ids: Sequence[int]
     start_pos: int
     logits: bool = True  # whether the last id's logits row is wanted
+    # A monitored decode starts the slot's peaks afresh unless this is set: the next chunk of a
+    # prompt prefilled in chunks adds its positions to the earlier chunks' peaks.
+    carry_peaks: bool = False
 
 
 def _ptr(a: np.ndarray, kind: type) -> object:
@@ -216,6 +219,8 @@ class BatchedLlamaCpp(LlamaVocabMixin):
         st.any_gain = int(bool((self._gain_layer[[e.slot for e in entries]] >= 0).any()))
         if st.enabled:
             for e in entries:
+                if e.carry_peaks:
+                    continue
                 self._peaks[e.slot] = 0.0
                 self._rest[e.slot] = 0.0
         rc = self._lib.llama_decode(self._ctx, self._batch)
@@ -264,8 +269,9 @@ class BatchedLlamaCpp(LlamaVocabMixin):
         return int(self._row_views[slot].argmax())
 
     def peaks(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(L,) max |hidden| of the slot's positions in the last monitored decode, and the same
-        away from its position 0."""
+        """(L,) max |hidden| of the slot's positions in the last monitored decode (and the
+        decodes before it that it carried on: `Entry.carry_peaks`), and the same away from its
+        position 0."""
         return torch.from_numpy(self._peaks[slot]), torch.from_numpy(self._rest[slot])
 
     # -- slots -----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from qladder import fault_seam
 from qladder.client import AsyncEvents, EngineClient, Request
 from qladder.errors import Draining, EngineFailed, InputError, UnknownModel, Unsupported
 from qladder.incidents import prompt_hash
@@ -91,9 +92,7 @@ class Gateway:
         if not self.allow_faults:
             raise Unsupported("qladder.faults", "fault injection is disabled on this server "
                                                 "(the operator starts it with --allow-faults)")
-        from qladder.faults import parse_fault  # test machinery: loaded only for a faulted request
-
-        return tuple(parse_fault(s) for s in specs)
+        return fault_seam.parse(specs)  # test machinery: loaded only for a faulted request
 
     @staticmethod
     def _return_ids(body: ChatCompletionRequest | CompletionRequest) -> bool:

@@ -32,10 +32,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import httpx
 
+from qladder import fault_seam
 from qladder.actions import Confirm, Done, Leave, Move, MoveTo, Verify
 from qladder.engines.remote import RemoteEnd, RemoteRung
 from qladder.errors import EngineDeadError, EngineError, QueueFullError, RemoteStreamError
@@ -45,17 +45,6 @@ from qladder.sampling import SamplingParams, TokenLogprob
 from qladder.serving.aborts import AbortRegistry
 from qladder.serving.remote_visit import RemoteVisit
 from qladder.types import FinishReason, Hazard
-
-if TYPE_CHECKING:
-    from qladder.faults import TokenFaults
-
-
-def _token_faults(m: RequestMachine) -> TokenFaults | None:
-    if not m.req.faults:
-        return None
-    from qladder.faults import token_faults
-
-    return token_faults(m.req.faults)
 
 _log = logging.getLogger("qladder.remote")
 
@@ -242,7 +231,7 @@ class RemotePool:
         Hazard (the stream is closed on return: the server stops this request); or a policy move."""
         assert self._client is not None  # made by the loop's thread before any request runs
         deadline = m.config.guard.step_deadline_s
-        faults = _token_faults(m) if j == 0 else None  # step faults hit the rung under test only
+        faults = fault_seam.token_faults(m.req.faults) if j == 0 else None  # step faults hit the rung under test only
         visit = RemoteVisit(m)
         n_check = self._draft_size(m, j)
         if n_check:

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from qladder import fault_seam
 from qladder.actions import Action, Continue, Done, Leave, MoveTo, StepFailed, Verify
 from qladder.engines.base import StepOutput
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
@@ -64,15 +65,6 @@ class SchedulerConfig:
     probe_deadline_s: float = 2.0
 
 
-def _row_faults(m: RequestMachine) -> RowFaults | None:
-    """A request's step faults as this driver installs them; None (no fault code runs) without."""
-    if not m.req.faults:
-        return None
-    from qladder.faults import row_faults
-
-    return row_faults(m.req.faults)
-
-
 @dataclass
 class _Slot:
     m: RequestMachine
@@ -82,6 +74,7 @@ class _Slot:
     returning: bool = False
     faults: RowFaults | None = None  # test machinery, only on a request that carries step faults
     gain: bool = False  # a gain fault set on this slot's rows (cleared at release)
+    chunked: bool = False  # its peaks hold earlier, unjudged prefill chunks (carried to the next)
 
 
 @dataclass
@@ -210,12 +203,12 @@ class Int4Scheduler:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            faults = fault_seam.row_faults(item.req.faults)  # the request's step faults, if any
             if kind == "new":
-                self._waiting.append(_Slot(item, -1, feed=list(item.prompt), faults=_row_faults(item)))
+                self._waiting.append(_Slot(item, -1, feed=list(item.prompt), faults=faults))
             else:
                 self._count(+1)
-                self._waiting.appendleft(_Slot(item, -1, feed=item.context, returning=True,
-                                               faults=_row_faults(item)))
+                self._waiting.appendleft(_Slot(item, -1, feed=item.context, returning=True, faults=faults))
 
     def _drop_aborted(self) -> None:
         for s in [s for s in self._waiting if self.aborts.is_aborted(s.m.request_id)]:
@@ -241,10 +234,8 @@ class Int4Scheduler:
                 self.prefix_hits += 1
             else:
                 self.engine.truncate(s.slot, 0)
-            if s.m.req.faults:  # test machinery: an activation outlier through the real kernels, this slot only
-                from qladder.faults import install_slot_gains
-
-                s.gain = install_slot_gains(self.engine, s.slot, s.m.req.faults)
+            # The request's gain faults, if any: an activation outlier through the real kernels, this slot only.
+            s.gain = fault_seam.slot_gains(self.engine, s.slot, s.m.req.faults)
             self.slot_log.append((self.steps, "admit", s.m.request_id, s.slot))
 
     def _release(self, s: _Slot) -> None:
@@ -286,8 +277,11 @@ class Int4Scheduler:
         if prefilling is not None:
             chunk = prefilling.feed[: self.config.prefill_chunk]
             last = len(chunk) == len(prefilling.feed)
-            # Prompt-triggered outliers show at prefill: prefill chunks are always monitored.
-            self._run_batch([Entry(prefilling.slot, chunk, prefilling.n_past, logits=last)], [prefilling], True)
+            # Prompt-triggered outliers show at prefill: prefill chunks are always monitored, and
+            # the engine carries an earlier chunk's peaks to the next, so the last chunk's row is
+            # judged on every position of the prompt (as the one-sequence engine's prefill is).
+            self._run_batch([Entry(prefilling.slot, chunk, prefilling.n_past, logits=last,
+                                   carry_peaks=prefilling.chunked)], [prefilling], True)
         entries, batch, _ = self._plan()
         if entries and self.healthy:
             self._run_batch(entries, batch, False)
@@ -340,6 +334,7 @@ class Int4Scheduler:
         for e, s, d in zip(entries, batch, due, strict=True):
             s.n_past += len(e.ids)
             del s.feed[: len(e.ids)]
+            s.chunked = d and not e.logits
             if not e.logits and error is None:
                 continue
             self._on_row(s, error, d)

@@ -212,6 +212,8 @@ def validate(
                                                        "qladder/validate/remote_example.toml).")] = None,
     check: Annotated[bool, typer.Option("--check", help="Exit 1 when a target is missed (the verdicts are "
                                                         "printed and reported either way).")] = False,
+    threads: Annotated[int | None, typer.Option("--threads", min=1, help="Threads of each engine (default: "
+                                                "QLADDER_THREADS, else 1; recorded in results.json).")] = None,
 ) -> None:
     """Replay the corpora through bare INT4 and the guarded ladder, and measure the three boundaries.
 
@@ -223,6 +225,9 @@ def validate(
 
     _quiet_libraries()
     if remote:
+        if threads is not None:
+            _fail("--threads is for the in-process run (a remote run config sets its servers' threads)")
+            return
         _validate_remote(quick, out, config, max_tokens, rounds, corpus, progress, check)
         return
     if config is not None:
@@ -232,7 +237,7 @@ def validate(
         by_name(faults or [])  # a malformed spec fails before any model loads
         overrides: dict[str, Any] = {"fault_names": tuple(faults or ()), "corpus_dir": corpus,
                                         "standby_share": standby_share,
-                                        **_given(max_tokens=max_tokens, rounds=rounds)}
+                                        **_given(max_tokens=max_tokens, rounds=rounds, threads=threads)}
         cfg = ValidateConfig.quick_preset(**overrides) if quick else ValidateConfig(**overrides)
         results = run_validate(cfg, out, show_progress=progress, log=lambda s: typer.echo(s, err=True))
     except QladderError as exc:

@@ -18,6 +18,7 @@ Each returns a dict of what it changed (recorded in the validation's results).
 
 from __future__ import annotations
 
+import functools
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,6 +32,20 @@ FP16_MAX = 65504.0
 
 if TYPE_CHECKING:
     import numpy as np
+
+
+def _read(src: Path) -> Any:
+    """gguf's reader of `src` (read-only memory map), parsed once per file: parsing the vocabulary
+    takes seconds, and one validation run patches the same GGUF several times."""
+    st = src.stat()
+    return _reader(str(src.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, size: int, mtime_ns: int) -> Any:
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
 
 
 def parse_index_list(spec: str | Sequence[int] | None, n: int, what: str) -> list[int]:
@@ -64,11 +79,10 @@ def patch_scales(src: Path, dst: Path, tensor: str, rows: str | Sequence[int] | 
     range) or set to `value`. The copy is the original with those bytes changed; llama.cpp then
     runs its real kernels on it."""
     import numpy as np
-    from gguf import GGUFReader
 
     if (x is None) == (value is None):
         raise ConfigError("give exactly one of a scale factor (x) or a value")
-    info = {t.name: t for t in GGUFReader(str(src)).tensors}
+    info = {t.name: t for t in _read(src).tensors}
     if tensor not in info:
         raise ConfigError(f"no tensor {tensor!r} in {src}")
     t = info[tensor]
@@ -150,9 +164,7 @@ GLITCH_SETS: dict[str, Callable[[Sequence[str]], list[int]]] = {"byte-fallback":
 
 def glitch_tokens(src: Path, spec: str) -> list[int]:
     """A named set of tokens (`byte-fallback`, `partial-utf8`) or ids and ranges ('100,200-210')."""
-    from gguf import GGUFReader
-
-    pieces = GGUFReader(str(src)).fields["tokenizer.ggml.tokens"].contents()
+    pieces = _read(src).fields["tokenizer.ggml.tokens"].contents()
     if spec in GLITCH_SETS:
         return GLITCH_SETS[spec](pieces)
     return parse_index_list(spec, len(pieces), "glitch tokens")
@@ -171,9 +183,8 @@ def glitch_gguf(src: Path, dst: Path, x: float = 1000.0, tokens: Sequence[int] |
     too). Returns what was changed, with the largest |value| of a scaled row.
     """
     import numpy as np
-    from gguf import GGUFReader
 
-    reader = GGUFReader(str(src))
+    reader = _read(src)
     by_name = {t.name: t for t in reader.tensors}
     tied = "output.weight" not in by_name
     emb = by_name.get("token_embd.weight")
@@ -231,9 +242,7 @@ def swapped_vocab_gguf(src: Path, dst: Path, a: int, b: int) -> dict[str, object
     """A copy of a GGUF whose vocabulary has tokens `a` and `b` swapped (their strings trade ids):
     a server on it tokenizes some text differently from the original, and a handoff by ids
     between the two would change the text. For the tokenizer check at a remote rung's start."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(src))
+    reader = _read(src)
     tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
     tokens[a], tokens[b] = tokens[b], tokens[a]
     writer = _writer_with_fields(reader, dst, {"tokenizer.ggml.tokens": tokens})

@@ -75,6 +75,7 @@ class ValidateConfig:
     monitor_rounds: int = 2
     monitor_tokens: int = 8
     n_ctx: int | None = None  # None: the settings' (QLADDER_N_CTX, default 2048)
+    threads: int | None = None  # of each engine; None: the settings' (QLADDER_THREADS, default 1)
     servers: int = 10
     standby_share: float = 0.2
     primary_util: float = 0.7
@@ -190,6 +191,8 @@ def load_engines(run: Run, progress: Progress) -> None:
     settings = Settings.from_env()
     if run.cfg.n_ctx is not None:
         settings = dataclasses.replace(settings, n_ctx=run.cfg.n_ctx)
+    if run.cfg.threads is not None:
+        settings = dataclasses.replace(settings, n_threads=run.cfg.threads)
     run.engines["info"] = inspect_model()
     run.engines["settings"] = settings
     run.memory["baseline"] = rss_mb()
@@ -223,7 +226,6 @@ def patched_configs(run: Run, model: FaultModel) -> tuple[Bare, Guarded]:
     """Bare and guarded on serving engines of their own loaded on a patched copy of the GGUF (built once)."""
     import tempfile
 
-    from qladder.model import inspect_model
     from qladder.validate.gguf_patch import GGUF_PATCHES
     from qladder.validate.replay import serve_bare, serve_guarded
 
@@ -233,7 +235,9 @@ def patched_configs(run: Run, model: FaultModel) -> tuple[Bare, Guarded]:
         run.cleanup.append(tmp)
         dst = tmp / f"{model.name}.gguf"
         run.patches[model.name] = GGUF_PATCHES[model.patch](e["info"].path, dst, **dict(model.gguf_patch or ()))
-        info = inspect_model(dst, tmp)
+        # gguf_patch writes the source's metadata unchanged: the copy's ModelInfo is the source's
+        # at the copy's path (parsing the copy's vocabulary again took ~5 s a copy).
+        info = dataclasses.replace(e["info"], path=dst.resolve())
         b = serve_bare(info, e["settings"])
         g = serve_guarded(info, e["fp32"], e["settings"], run.configs["guarded"].se.incidents)
         run.served += [b.se, g.se]

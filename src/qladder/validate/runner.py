@@ -89,7 +89,7 @@ class ValidateConfig:
     @classmethod
     def quick_preset(cls, **kw: Any) -> ValidateConfig:
         base = cls(quick=True, max_tokens=24, normal_per_class=3, abnormal_per_class=QUICK_ABNORMAL,
-                   prompts_per_fault=1, rounds=3, warmup=2, reference_prompts=8, sweep_prompts=1,
+                   prompts_per_fault=1, rounds=2, warmup=2, reference_prompts=8, sweep_prompts=1,
                    sweep_tokens=8, level_prompts=3, level_rounds=2, level_tokens=12, n_ctx=512,
                    replay_jobs=8, replay_max_tokens=4)
         return dataclasses.replace(base, **kw)

@@ -41,7 +41,12 @@ def get_engine(rung: str):
         from qladder.engines import load_engine
 
         hf_logging.disable_progress_bar()
-        _ENGINES[rung] = load_engine(rung, settings=Settings.from_env())
+        if rung == "fp32-batched":  # the standby's form of the fp32 rung, on the same weights
+            from qladder.engines.torch_batch import BatchedTorch
+
+            _ENGINES[rung] = BatchedTorch(get_engine("fp32"), n_slots=8)
+        else:
+            _ENGINES[rung] = load_engine(rung, settings=Settings.from_env())
     return _ENGINES[rung]
 
 

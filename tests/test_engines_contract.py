@@ -1,4 +1,5 @@
-"""One contract, run against every engine: the scripted fake and the three real rungs."""
+"""One contract, run against every engine: the scripted fake, the three real rungs and the batched
+form of the fp32 rung that the standby runs."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _greedy(session: Session, n: int) -> tuple[list[int], list[torch.Tensor]]:
     return toks, rows
 
 
-@pytest.fixture(params=["scripted", "int4", "w4a16", "fp32"])
+@pytest.fixture(params=["scripted", "int4", "w4a16", "fp32", "fp32-batched"])
 def engine(request) -> Engine:
     if request.param == "scripted":
         return _scripted()

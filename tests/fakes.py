@@ -62,11 +62,16 @@ class FakeClient:
     def ready(self) -> bool:
         return True
 
+    @property
+    def verifies(self) -> bool:
+        return False  # the fake has no rungs to draft and verify on
+
     def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                 request_id: str | None = None, faults: Sequence[Fault] = (), prompt_text: str | None = None,
-                ladder: LadderConfig | None = None, start_rung: int = 0, flagged: bool = False) -> Request:
+                ladder: LadderConfig | None = None, start_rung: int = 0, flagged: bool = False,
+                verified: bool = False) -> Request:
         return Request(request_id or uuid.uuid4().hex[:16], tuple(prompt_ids), params or SamplingParams(),
-                       tuple(faults), prompt_text, ladder, start_rung, flagged)
+                       tuple(faults), prompt_text, ladder, start_rung, flagged, verified)
 
     def add_observer(self, observe: Callable[[Event], None]) -> None:
         self.observers.append(observe)

@@ -52,6 +52,17 @@ def test_generate_plain_text():
     assert p.returncode == 0 and "Paris" in p.stdout.decode()
 
 
+def test_generate_verified_gives_fp32s_answer_and_refuses_a_ladder_with_no_verifier():
+    p = run("generate", "--verified", "--json", "--max-tokens", "24", "What is the capital of France?")
+    assert p.returncode == 0, p.stderr.decode()
+    out = json.loads(p.stdout)
+    ref = run("generate", "--rung", "fp32", "--json", "--max-tokens", "24", "What is the capital of France?")
+    assert out["token_ids"] == json.loads(ref.stdout)["token_ids"] and "Paris" in out["text"]
+    assert set(out["token_rungs"]) == {"fp32"} and out["timings"]["verify_windows"] >= 1
+    refused = run("generate", "--verified", "--rung", "fp32", "Hi")
+    assert "needs a ladder that starts on int4" in _one_line_error(refused)
+
+
 def test_stdin_with_invalid_utf8_and_nul_bytes_is_handled():
     p = run("generate", "--rung", "int4", "--max-tokens", "8", "--json", "-",
             stdin=b"Say hello.\x00\xff\xfe \xed\xa0\x80")

@@ -1,7 +1,7 @@
 """The request machine's drivers keep to its declared view (`machine.DRIVER_VIEW`): every use of
 a machine in a driver's source names an attribute on that list, and none writes through it (no
-assignment or del, no setattr, no method call on one of its fields but the Recorder's two that
-a driver may make: `m.rec.prefill`, `m.rec.flush`). A machine is what the drivers name it: `m`,
+assignment or del, no setattr, no method call on one of its fields but the Recorder's three that
+a driver may make: `m.rec.prefill`, `m.rec.flush`, `m.rec.verified`). A machine is what the drivers name it: `m`,
 or the `.m` of a slot, a task or a visit. (The type checker sees the fields; this holds the
 drivers to the few a driver may touch.)"""
 
@@ -18,7 +18,7 @@ from qladder.machine import DRIVER_VIEW, RequestMachine
 
 SRC = Path(qladder.__file__).parent
 DRIVERS = ["ladder.py", "serving/scheduler.py", "serving/standby.py", "serving/remote.py",
-           "serving/remote_visit.py", "serving/handoffs.py"]
+           "serving/remote_visit.py", "serving/handoffs.py", "serving/verify.py"]
 
 
 def _is_machine(node: ast.expr) -> bool:
@@ -35,7 +35,7 @@ def _root_use(node: ast.expr) -> ast.Attribute | None:
     return None
 
 
-FIELD_CALLS = {("rec", "prefill"), ("rec", "flush")}
+FIELD_CALLS = {("rec", "prefill"), ("rec", "flush"), ("rec", "verified")}
 
 
 def _chain(node: ast.expr) -> list[str] | None:

@@ -83,6 +83,25 @@ def test_a_faulted_stream_is_one_clean_answer_continued_on_fp32(client, live):
     assert again.model_extra["qladder"]["route"] == "quarantine" and again.model_extra["qladder"]["handoffs"] == []
 
 
+def test_verified_precision_streams_fp32s_answer_and_fast_stays_int4s(client):
+    """"What is the capital of France?": with "qladder": {"precision": "verified"}, the streamed
+    answer is the fp32 rung's own greedy answer (...Paris.), every token decided by fp32; without
+    it, INT4's (which is not fp32's here)."""
+    fp32 = _cli_generate(PROMPTS[3], "32", "--rung", "fp32")
+    assert "Paris" in fp32["text"]
+    kw = {"model": MODEL, "messages": _chat(PROMPTS[3]), "max_tokens": 32, "temperature": 0}
+    chunks = list(client.chat.completions.create(stream=True, extra_body={"qladder": {"precision": "verified"}},
+                                                 **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == fp32["text"]
+    assert set(chunks[-1].model_extra["qladder"]["tokens_per_rung"]) == {"fp32"}
+    fast = client.chat.completions.create(**kw)
+    assert fast.choices[0].message.content != fp32["text"]
+    assert set(fast.model_extra["qladder"]["tokens_per_rung"]) == {"int4"}
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(extra_body={"qladder": {"precision": "exact"}}, **kw)
+
+
 def test_the_input_defence_reports_its_changes_and_incidents_keep_the_sanitized_prompt(client, live):
     _, server = live
     raw = "Name a  color.\x07\u200b Now!"

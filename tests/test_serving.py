@@ -249,10 +249,10 @@ def test_a_bug_in_our_code_is_not_a_hazard(served, monkeypatch):
     se, _ = served
     pool = StandbyPool({1: get_engine("fp32")}, se.aborts, max_sessions=1)
 
-    def broken(self, t):
+    def broken(self, t, got):
         raise TypeError("a bug")
 
-    monkeypatch.setattr(StandbyPool, "_step", broken)
+    monkeypatch.setattr(StandbyPool, "_rows", broken)  # where a turn's rows are acted on
     m = se._machine_for_test(se.request(_ids(se, "Hi"), SamplingParams(max_tokens=4)))
     from qladder.actions import MoveTo
 

@@ -6,6 +6,8 @@
     Verify(j)       a repetition: the driver asks rung j for its greedy token on the same
                     context and calls m.on_verify(token)
     Confirm(reason) the answer would end while its first tokens await a check (remote pool)
+    Drafted(j, ids) verified decoding: rung 0 drafted `ids` after the context; rung j decides
+                    them in one forward, then the request drafts on (serving/verify.py)
     Done(result)    the request has ended; its result
 
 `StepFailed` is what a driver hands the step in place of a StepOutput when the engine raised.
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qladder.types import FinishReason, GenerationResult
+import torch
+
+from qladder.types import FinishReason, GenerationResult, Hazard
 
 
 @dataclass(frozen=True)
@@ -42,9 +46,22 @@ class Done:
 @dataclass(frozen=True)
 class Confirm:
     """The answer would end (EOS or length) while its first tokens await the standby's check
-    (`await_check`, remote pool only): the driver checks them, then `finish(reason)`."""
+    (`hold(n, check=True)`, remote pool only): the driver checks them, then `finish(reason)`."""
 
     reason: FinishReason
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """Verified decoding: rung 0 drafted `ids` after the request's context; rung `rung` keeps the
+    longest prefix it agrees with and adds its own next token, in one forward. `q`: for a sampled
+    request, the distribution each draft was drawn from. `hazard`: the drafted row right after
+    `ids` failed the guard (that draft ends there; rung `rung` takes the step)."""
+
+    rung: int
+    ids: tuple[int, ...]
+    q: tuple[torch.Tensor, ...] | None = None
+    hazard: Hazard | None = None
 
 
 Action = Continue | MoveTo | Verify | Done | Confirm
@@ -60,4 +77,4 @@ class StepFailed:
 # Where a hazard sends the request: another rung, a check by the next rung, or the end.
 Move = MoveTo | Verify | Done
 # What a request carries when it leaves a pool for another (`Handoffs.submit`).
-Leave = MoveTo | Verify
+Leave = MoveTo | Verify | Drafted

@@ -61,11 +61,14 @@ def generate(
     model: Annotated[Path | None, typer.Option(help="A Llama-family GGUF (default: the embedded model).")] = None,
     incidents: Annotated[Path | None, typer.Option(help="SQLite file for incident records.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    verified: Annotated[bool, typer.Option("--verified", help="Verified decoding: int4 drafts, the next rung "
+                                                              "(fp32 when the ladder is int4 alone) decides every "
+                                                              "token (its answer).")] = False,
 ) -> None:
     """Generate an answer to PROMPT through the guarded ladder (or one rung)."""
     try:
         out = _generate(prompt, rung or ladder, max_tokens, temperature, top_p, top_k, seed, stop or [],
-                        fault or [], guard, sanitize, warm_shadow, return_after, model, incidents)
+                        fault or [], guard, sanitize, warm_shadow, return_after, model, incidents, verified)
     except QladderError as exc:
         _fail(str(exc))
         return
@@ -80,7 +83,8 @@ def generate(
 
 def _generate(prompt: str, ladder: str, max_tokens: int, temperature: float, top_p: float, top_k: int,
               seed: int, stop: list[str], faults: list[str], guard: str, sanitize: str, warm_shadow: bool,
-              return_after: int | None, model: Path | None, incidents: Path | None) -> dict[str, Any]:
+              return_after: int | None, model: Path | None, incidents: Path | None,
+              verified: bool = False) -> dict[str, Any]:
     from qladder import fault_seam
     from qladder.config import Settings
     from qladder.errors import ConfigError
@@ -93,6 +97,8 @@ def _generate(prompt: str, ladder: str, max_tokens: int, temperature: float, top
     from qladder.service import Qladder, parse_ladder
 
     rungs = parse_ladder(ladder)
+    if verified and rungs == ["int4"]:  # a verified answer needs a rung to decide: fp32 by default
+        rungs = ["int4", "fp32"]
     from qladder.engines import check_rungs
 
     check_rungs(rungs)
@@ -110,10 +116,13 @@ def _generate(prompt: str, ladder: str, max_tokens: int, temperature: float, top
                           warm_shadow=warm_shadow)
     text: str | bytes = sys.stdin.buffer.read() if prompt == "-" else prompt
     served = rungs[0] == "int4" and not warm_shadow
+    if verified and not (served and len(rungs) > 1):
+        raise ConfigError("--verified needs a ladder that starts on int4 with a rung above it "
+                          "(e.g. --ladder int4,fp32), without --warm-shadow")
     try:
         if served:  # the serving engine's one decode path (one slot), as the HTTP server uses it
             answer, precisions = _generate_served(text, rungs, params, parsed, config, PRESETS[sanitize], model,
-                                                  settings, store)
+                                                  settings, store, verified)
         else:  # a torch rung first, or a warm shadow: the in-process ladder
             q = Qladder(rungs, model=model, settings=settings, ladder_config=config,
                         sanitize_config=PRESETS[sanitize], incidents=store)
@@ -133,7 +142,7 @@ def _generate(prompt: str, ladder: str, max_tokens: int, temperature: float, top
 
 def _generate_served(text: str | bytes, rungs: list[str], params: SamplingParams, faults: list[Fault],
                      config: LadderConfig, sanitize_config: SanitizeConfig, model: Path | None,
-                     settings: Settings, store: IncidentStore) -> tuple[Answer, dict[str, str]]:
+                     settings: Settings, store: IncidentStore, verified: bool = False) -> tuple[Answer, dict[str, str]]:
     """One request through the serving engine (one slot): the decode path the server uses.
     Returns the answer and each rung's precision."""
     from qladder.prepare import Preparer
@@ -147,7 +156,7 @@ def _generate_served(text: str | bytes, rungs: list[str], params: SamplingParams
     try:
         prep = Preparer(se.info, se.int4.tokenize, min(se.n_ctx), sanitize_config)
         ids, prompt_text, reports = prep.prepare(text, params.max_tokens)
-        result = se.generate_sync(se.request(ids, params, faults=faults, prompt_text=prompt_text))
+        result = se.generate_sync(se.request(ids, params, faults=faults, prompt_text=prompt_text, verified=verified))
         return Answer(result, reports), {e.name: e.precision for e in (se.int4, *se.standby_engines)}
     finally:
         se.close()
@@ -307,6 +316,32 @@ def bench_serving(
         _fail(str(exc))
         return
     typer.echo(json.dumps(out))
+
+
+@bench_app.command("verified")
+def bench_verified(
+    per_class: Annotated[int, typer.Option("--per-class", help="Normal prompts per class (chat, qa, code, math).")] = 4,
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = 64,
+    concurrency: Annotated[str, typer.Option(help="Concurrency levels, comma-separated.")] = "1,8",
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds per level (tok/s: their median).")] = 2,
+    sampled: Annotated[int, typer.Option("--sampled", help="Sampled requests per configuration (the "
+                                                           "distribution test).")] = 200,
+    vllm: Annotated[bool, typer.Option("--vllm/--no-vllm", help="Compare with vLLM's CPU fp32 server.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results JSON (the default).")] = True,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Also write outcomes.jsonl and results.json "
+                                                              "here (bench/check_verified.py OUT recomputes).")] = None,
+) -> None:
+    """Verified decoding against full precision alone and vLLM's fp32: tok/s, P99, exactness, acceptance."""
+    from qladder.benchmarks.verified import run_verified_bench
+
+    _quiet_libraries()
+    try:
+        levels = tuple(int(c) for c in concurrency.split(",") if c.strip())
+        out = run_verified_bench(per_class, max_tokens, levels, rounds, sampled, vllm, out_dir)
+    except (QladderError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    typer.echo(json.dumps(out, default=str))
 
 
 @bench_app.command("calibrate")

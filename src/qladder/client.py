@@ -37,6 +37,7 @@ class Request:
     ladder: LadderConfig | None = None  # operator-only override of the engine's guard and policy
     start_rung: int = 0  # a router's choice: 1.. starts on the standby (a quarantined prompt, an open breaker)
     flagged: bool = False  # the input defence changed the prompt: its answer's first tokens are checked
+    verified: bool = False  # verified decoding: rung 0 drafts, rung 1 decides every token (its answer)
 
 
 @runtime_checkable
@@ -49,7 +50,8 @@ class EngineClient(Protocol):
 
     def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                 request_id: str | None = None, faults: Sequence[Fault] = (), prompt_text: str | None = None,
-                ladder: LadderConfig | None = None, start_rung: int = 0, flagged: bool = False) -> Request:
+                ladder: LadderConfig | None = None, start_rung: int = 0, flagged: bool = False,
+                verified: bool = False) -> Request:
         """A Request for this engine; nothing is submitted yet."""
         ...
 
@@ -74,6 +76,11 @@ class EngineClient(Protocol):
     @property
     def ready(self) -> bool:
         """Engines loaded and the INT4 pool healthy."""
+        ...
+
+    @property
+    def verifies(self) -> bool:
+        """Whether a request may ask for verified decoding (`Request.verified`)."""
         ...
 
 

@@ -1,19 +1,15 @@
 """One request's ladder logic as a state machine, stepped by whoever owns the engine it is on.
 
-The INT4 scheduler steps many machines with the rows of one batched decode; a standby worker
-steps one over a session of a full-precision rung; the in-process ladder steps one over its
-rungs' sessions. All three call one function with what the engine gave for the step:
+Every driver that holds a row (the INT4 scheduler, a standby worker, the in-process ladder) calls
 
     action = step(m, StepOutput(row, stats, peaks, ...) | StepFailed(error), took_s)
-             deadline, guard -> ok     -> m.accept_row(row)  sample; stop strings, EOS, length
-                             -> hazard -> m.on_hazard(...)   policy -> move / verify / stop
+             deadline, guard -> ok -> m.accept_row(row) | hazard -> m.on_hazard(...) -> policy
 
-The remote pool, whose server samples, judges a streamed token in its own room (RemoteVisit)
-and calls `m.accept_token` or `m.on_hazard`. The actions are in `actions.py`. The policy
-(`LadderPolicy`) stays pure; the machine keeps the ladder state (rung, accepted ids, the text
-stream, hazards, a pending verification), records through its Recorder (`m.rec`) and emits the
-request's events; it never touches an engine, so one machine can move between threads (an
-ownership transfer, never shared).
+The remote pool, whose server samples, judges a streamed token in its own room (RemoteVisit) and
+calls `m.accept_token` or `m.on_hazard`. Actions are in `actions.py`; the policy stays pure. The
+machine keeps the ladder state (rung, accepted ids, text stream, hazards, a pending verification),
+records through its Recorder (`m.rec`) and emits the request's events; it never touches an engine,
+so it can move between threads (an ownership transfer, never shared).
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from qladder.incidents import IncidentSink
 from qladder.policy import Handoff as HandoffAction
 from qladder.policy import LadderConfig, Stop
 from qladder.recorder import Recorder
-from qladder.sampling import Sampler, TokenLogprob, token_logprob
+from qladder.sampling import Draft, Sampler, TokenLogprob, token_logprob
 from qladder.stream import TextStream, TokenBytes
 from qladder.types import (
     FALLBACK_TEXT,
@@ -46,13 +42,14 @@ from qladder.types import (
 
 
 def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
-         native_argmax: Callable[[], int] | None = None) -> Action:
+         native_argmax: Callable[[], int] | None = None, draft: Draft | None = None) -> Action:
     """One step, the same for every driver that holds a row: judge what the engine gave (the
     step deadline, then the guard), then accept a token or act on the hazard. `took_s` is the
     step's time as the driver measured it (0.0 where a watchdog keeps the deadline);
     `native_argmax` is the engine's own greedy token for `out.row` (a driver passes it only for
-    a row that no fault replaced), taken only for a greedy request. A request's injected faults
-    are the driver's: they reach here as the rows they make."""
+    a row that no fault replaced), taken only for a greedy request. `draft`: the token rung 0
+    drafted for this position (verified decoding): the row decides by `Sampler.verify`. A
+    request's injected faults are the driver's: they reach here as the rows they make."""
     name, deadline = m.rungs[m.rung], m.config.guard.step_deadline_s
     if isinstance(out, StepFailed):
         return m.on_hazard(Hazard("engine_error", name, m.step, detail=out.error), None)
@@ -64,7 +61,7 @@ def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
     if hazard is not None:
         return m.on_hazard(hazard, out.row)
     token = native_argmax() if native_argmax is not None and m.params.greedy else None
-    return m.accept_row(out.row, token)
+    return m.accept_row(out.row, token, draft)
 
 
 # What a driver may use of a machine, only to read or call (no driver assigns through `m`):
@@ -72,9 +69,9 @@ def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
 DRIVER_VIEW = frozenset({
     # read
     "request_id", "req", "params", "config", "guard", "rungs", "rung", "prompt", "context", "accepted",
-    "step", "logprobs", "unchecked", "left_at", "rec",
+    "step", "logprobs", "unchecked", "left_at", "rec", "done", "eos_ids", "n_ctx",
     # call
-    "on_hazard", "on_verify", "moved", "finish", "accept_token", "hold", "await_check", "check_passed",
+    "on_hazard", "on_verify", "moved", "finish", "accept_token", "hold", "decided_by",
 })
 
 
@@ -130,34 +127,28 @@ class RequestMachine:
         return self.prompt + self.stream.ids
 
     # -- one step --------------------------------------------------------------------------------
-    def hold(self, n: int) -> None:
-        """Keep the last `n` accepted tokens unreleased (a window a later check may roll back whole)."""
-        self.stream.hold = n
+    def hold(self, n: int, check: bool = False) -> None:
+        """Keep the last `n` accepted tokens unreleased (a window a later check may roll back
+        whole), releasing what is past it. `check`: the answer's first `n` tokens await a check
+        by the rung above, none released until the next `hold`; an answer that would end first
+        ends in `Confirm` (the driver checks, then finishes)."""
+        self.unchecked = check
+        self.stream.hold = max(self.stream.hold, n) if check else n
+        if not check:
+            self._release()
 
-    def await_check(self, n: int) -> None:
-        """The answer's first `n` tokens await a check by the rung above: none is released until
-        `check_passed`; an answer that would end first ends in `Confirm` (the driver checks)."""
-        self.unchecked = True
-        self.stream.hold = max(self.stream.hold, n)
-
-    def check_passed(self, hold: int) -> None:
-        """The check passed (or could not say): release all but the last `hold` tokens."""
-        self.unchecked = False
-        self.stream.hold = hold
-        self._release()
-
-    def accept_token(self, token: int, logprob: TokenLogprob | None = None) -> Action:
-        """A healthy token a remote rung sampled: accept it (no row here: the server sampled)."""
-        return self._accept(int(token), logprob)
-
-    def accept_row(self, row: torch.Tensor, token: int | None = None) -> Action:
-        """A healthy row: sample it (or take the driver's greedy `token`), and accept the token."""
-        if token is None or not self.params.greedy:
+    def accept_row(self, row: torch.Tensor, token: int | None = None, draft: Draft | None = None) -> Action:
+        """A healthy row: sample it (or take the driver's greedy `token`, or decide on a `draft`),
+        and accept the token."""
+        if draft is not None:
+            token = self.sampler.verify(row, draft)
+        elif token is None or not self.params.greedy:
             token = self.sampler.sample(row)
         lp = token_logprob(row, int(token), self.params.logprobs or 0) if self.logprobs is not None else None
-        return self._accept(int(token), lp)
+        return self.accept_token(int(token), lp)
 
-    def _accept(self, token: int, lp: TokenLogprob | None) -> Action:
+    def accept_token(self, token: int, lp: TokenLogprob | None = None) -> Action:
+        """Accept a healthy token (a row's, or one a remote rung sampled: no row here)."""
         now = self.clock()
         self.rec.first_output(now)
         self.rec.close_handoff(now, self.step)
@@ -244,6 +235,16 @@ class RequestMachine:
         self.rung, self.streak = to, 0
         self.unchecked = False
         self.stream.hold = 0
+
+    def decided_by(self, to: int, hazard: Hazard | None) -> None:
+        """Verified decoding: rung `to` decides every token from here (no handoff: rung 0 only
+        drafts; back to 0 when the request leaves verified decoding); `hazard`, a drafted row the
+        guard refused: that draft ends there, recorded."""
+        self.rung = to
+        if hazard is not None:
+            self.hazards.append(hazard)
+            self.emit(HazardEvent(self.request_id, hazard))
+            self.rec.incident(self.req, self.prompt, hazard, f"verify:{self.rungs[to]}")
 
     # -- endings ---------------------------------------------------------------------------------
     def finish(self, reason: FinishReason, fallback: bool = False) -> GenerationResult:

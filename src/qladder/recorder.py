@@ -2,10 +2,12 @@
 
 The machine calls it; a driver reads it through the machine (`m.rec`), and calls only
 `rec.prefill(ms)` where it timed a real prefill (the in-process ladder; the served paths have no
-prefill of their own: it counts as the time to the first token) and `rec.flush`.
+prefill of their own: it counts as the time to the first token), `rec.flush`, and
+`rec.verified(drafts, kept)` where it decided a window of verified decoding (the standby).
 
 - timings: ttft_ms (the first accepted token, EOS included), prefill_ms, total_ms, and the gap
-  between consecutive accepted tokens (`step_ms`);
+  between consecutive accepted tokens (`step_ms`); for verified decoding, the windows decided,
+  the drafts in them and the drafts that stood (verify_windows, verify_drafts, verify_kept);
 - a handoff opens when a driver has carried out a move (`open_handoff`) and closes at the new
   rung's first accepted token, or at its first hazard (`close_handoff`): its latency runs from
   the moment the old rung was left to then;
@@ -63,6 +65,11 @@ class Recorder:
     def prefill(self, ms: float) -> None:
         """The driver timed the prompt's prefill itself."""
         self.timings["prefill_ms"] = ms
+
+    def verified(self, drafts: int, kept: int) -> None:
+        """Verified decoding: a window of `drafts` decided, `kept` of them stood."""
+        for key, n in (("verify_windows", 1), ("verify_drafts", drafts), ("verify_kept", kept)):
+            self.timings[key] = self.timings.get(key, 0) + n
 
     def total(self) -> None:
         self.timings["total_ms"] = (self.clock() - self.t0) * 1e3

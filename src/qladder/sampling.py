@@ -57,17 +57,25 @@ def token_logprob(row: torch.Tensor, token: int, k: int) -> TokenLogprob:
     return TokenLogprob(int(token), float(lp[token]), top)
 
 
+@dataclass(frozen=True)
+class Draft:
+    """A token another rung drafted for this position (verified decoding), and for a sampled
+    request the distribution it was drawn from (`Sampler.probs` of the drafting rung's row)."""
+
+    token: int
+    q: torch.Tensor | None = None  # (V,) probabilities; None for a greedy request
+
+
 class Sampler:
     """Draws one token id from a (V,) float32 logits row. Never sees a row the guard rejected."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, seed_offset: int = 0):
         self.params = params
-        self._gen = torch.Generator().manual_seed(params.seed)
+        self._gen = torch.Generator().manual_seed(params.seed + seed_offset)
 
-    def sample(self, row: torch.Tensor) -> int:
+    def probs(self, row: torch.Tensor) -> torch.Tensor:
+        """The distribution a sampled request draws from: temperature, then top-k, then top-p."""
         p = self.params
-        if p.greedy:
-            return int(row.argmax())
         x = row / p.temperature  # (V,)
         if p.top_k and p.top_k < x.numel():
             kth = torch.topk(x, p.top_k).values[-1]
@@ -77,5 +85,30 @@ class Sampler:
             cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
             drop = cum - torch.softmax(sorted_x, dim=-1) >= p.top_p  # keep the first token always
             x = x.scatter(0, idx[drop], float("-inf"))
-        probs = torch.softmax(x, dim=-1)
+        return torch.softmax(x, dim=-1)
+
+    def sample(self, row: torch.Tensor) -> int:
+        if self.params.greedy:
+            return int(row.argmax())
+        return self.draw(self.probs(row))
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One id from a distribution (`probs`), with this sampler's generator."""
         return int(torch.multinomial(probs, 1, generator=self._gen))
+
+    def verify(self, row: torch.Tensor, draft: Draft) -> int:
+        """The token this row gives when `draft` was proposed for it: greedy, the row's own argmax
+        (the draft stands when it is that token); sampled, speculative sampling's rule (Leviathan
+        et al. 2023; Chen et al. 2023): keep the draft with probability min(1, p/q), else draw
+        from the normalised (p - q)+, so the token is distributed as p, this row's own."""
+        if self.params.greedy or draft.q is None:
+            return int(row.argmax())
+        p, q, d = self.probs(row), draft.q, draft.token
+        u = float(torch.rand((), generator=self._gen))
+        if float(q[d]) > 0.0 and u * float(q[d]) < float(p[d]):
+            return d
+        residual = (p - q).clamp_min(0.0)
+        total = float(residual.sum())
+        if not total > 0.0:  # p == q up to rounding: the draft's rejection had probability ~0
+            residual, total = p, 1.0
+        return int(torch.multinomial(residual / total, 1, generator=self._gen))

@@ -48,7 +48,7 @@ class RecordingGuard(StepGuard):
               activation_peaks: torch.Tensor | None = None,
               activation_limit: float | None = None,
               rest_peaks: torch.Tensor | None = None,
-              row_stats: tuple[float, float, float] | None = None) -> Hazard | None:
+              row_stats: tuple[float, float, float] | None = None, repetition: bool = True) -> Hazard | None:
         hi, lo, total = float(row.amax()), float(row.amin()), float(row.sum())
         if math.isfinite(total):
             self.gaps.append(hi - total / row.numel())
@@ -59,7 +59,8 @@ class RecordingGuard(StepGuard):
             self.rest_peak.append(float(rest_peaks.max()))
             r = rest_peaks.detach().to(torch.float32).clone()
             self.rest_by_layer = r if self.rest_by_layer is None else torch.maximum(self.rest_by_layer, r)
-        return super().check(row, generated, rung, activation_peaks, activation_limit, rest_peaks, row_stats)
+        return super().check(row, generated, rung, activation_peaks, activation_limit, rest_peaks, row_stats,
+                             repetition)
 
 
 def load_prompts(path: Path = CORPORA / "normal.jsonl", limit: int | None = None) -> list[str | bytes]:

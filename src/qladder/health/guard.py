@@ -177,11 +177,13 @@ class StepGuard:
         activation_limit: float | None = None,
         rest_peaks: torch.Tensor | None = None,
         row_stats: tuple[float, float, float] | None = None,
+        repetition: bool = True,
     ) -> Hazard | None:
         """row: (V,) float32 logits; generated: ids accepted so far (the step index is their count);
         activation_peaks: (L,) per-layer max |hidden| with `activation_limit` the dtype's max;
         rest_peaks: (L,) the same away from the sequence's first position;
-        row_stats: (sum, max, min) of the row when the engine computed them with its copy."""
+        row_stats: (sum, max, min) of the row when the engine computed them with its copy;
+        repetition: whether to look for a loop in `generated` (a draft's is the verifier's to judge)."""
         c = self.config
         step = len(generated)
         use_act = c.check_activations and activation_peaks is not None and activation_limit is not None
@@ -230,7 +232,7 @@ class StepGuard:
             hazard = self._check_row(*row_stats, row.numel(), rung, step)
             if hazard is not None:
                 return hazard
-        return self.check_repetition(generated, rung)
+        return self.check_repetition(generated, rung) if repetition else None
 
     def check_repetition(self, generated: Sequence[int], rung: str) -> Hazard | None:
         """A loop in the accepted ids (short loops sooner, longer ones after more repeats)."""

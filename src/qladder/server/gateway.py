@@ -52,13 +52,17 @@ class Prepared:
     params: SamplingParams
     faults: tuple[Fault, ...]
     return_token_ids: bool = False  # the answer's ids and rungs in the "qladder" extension
+    verified: bool = False  # verified decoding (the request's or the pool's precision)
 
 
 class Gateway:
     def __init__(self, client: EngineClient, preparer: Preparer, token_bytes: Callable[[Sequence[int]], bytes],
                  n_vocab: int, model_name: str, router: Router, breakers: dict[str, Breaker], quarantine: Quarantine,
                  metrics: ServerMetrics, default_max_tokens: int = DEFAULT_MAX_TOKENS, allow_faults: bool = False,
-                 standby_sessions: int = 0, control_ids: frozenset[int] = frozenset()):
+                 standby_sessions: int = 0, control_ids: frozenset[int] = frozenset(),
+                 precision: str = "fast", verifies: bool = False):
+        """precision: the INT4 pool's default ("fast" or "verified"); verifies: whether the engine
+        can serve verified requests (an in-process INT4 pool and standby)."""
         self.client = client
         self.preparer = preparer
         self.token_bytes = token_bytes
@@ -72,6 +76,8 @@ class Gateway:
         self.allow_faults = allow_faults
         self.standby_sessions = standby_sessions
         self.control_ids = control_ids  # the template's tokens: a token-id prompt's defence keeps them
+        self.precision = precision
+        self.verifies = verifies
         self.n_ctx = min(client.n_ctx)
         self.draining = False
         self._tok_lock = threading.Lock()  # the vocabulary's tables are built lazily: one user at a time
@@ -93,6 +99,14 @@ class Gateway:
             raise Unsupported("qladder.faults", "fault injection is disabled on this server "
                                                 "(the operator starts it with --allow-faults)")
         return fault_seam.parse(specs)  # test machinery: loaded only for a faulted request
+
+    def _verified(self, body: ChatCompletionRequest | CompletionRequest) -> bool:
+        asked = body.qladder.precision if body.qladder is not None else None
+        verified = (asked or self.precision) == "verified"
+        if verified and not self.verifies:
+            raise Unsupported("qladder.precision", "verified decoding needs an in-process INT4 pool and an "
+                                                   "in-process full-precision standby; this server has none")
+        return verified
 
     @staticmethod
     def _return_ids(body: ChatCompletionRequest | CompletionRequest) -> bool:
@@ -122,7 +136,8 @@ class Gateway:
         with self._tok_lock:
             ids, reports = self.preparer.encode_messages(messages, params.max_tokens)
         self._fits(ids, params)  # the incident store keeps the sanitized prompt (what the engine saw)
-        return Prepared(ids, "\n".join(r.text for r in reports), reports, params, faults, self._return_ids(body))
+        return Prepared(ids, "\n".join(r.text for r in reports), reports, params, faults, self._return_ids(body),
+                        self._verified(body))
 
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
         body.check()
@@ -144,7 +159,7 @@ class Gateway:
                 ids, reports = self.preparer.defend_ids(prompt, self.token_bytes, self.control_ids)
             text = "\n".join(r.text for r in reports) if reports else None
         self._fits(ids, params)
-        return Prepared(ids, text, reports, params, faults, self._return_ids(body))
+        return Prepared(ids, text, reports, params, faults, self._return_ids(body), self._verified(body))
 
     def admit(self, p: Prepared) -> tuple[Request, fmt.Served]:
         """Route and build the engine request (nothing is submitted yet)."""
@@ -159,7 +174,7 @@ class Gateway:
         rid = uuid.uuid4().hex[:24]
         req = self.client.request(p.prompt_ids, p.params, request_id=rid, faults=p.faults,
                                   prompt_text=p.prompt_text, start_rung=route.start_rung,
-                                  flagged=any(r.changed for r in p.reports))
+                                  flagged=any(r.changed for r in p.reports), verified=p.verified)
         with self._routes_lock:
             self._routes[rid] = (route, fp, False)
         self.metrics.routes.labels(route.pool, route.reason.split(":")[0]).inc()

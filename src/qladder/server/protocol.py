@@ -34,6 +34,9 @@ class QladderOptions(BaseModel):
                               description="Fault specs as the CLI's --fault (nan@step=3, ...); needs --allow-faults")
     return_token_ids: bool = Field(False, description="The answer's token ids and the rung of each in the "
                                                       "response's \"qladder\" extension")
+    precision: Literal["fast", "verified"] | None = Field(
+        None, description="\"verified\": INT4 drafts, full precision decides every token (its answer); "
+                          "\"fast\": INT4's answer, guarded; default: the pool's")
 
 
 class TextPart(_Model):

@@ -113,7 +113,8 @@ def assemble(client: EngineClient, info: ModelInfo, vocab: LlamaVocab, t: Topolo
     standby = t.standby
     gw = Gateway(client, preparer, vocab.detokenize_bytes, vocab.n_vocab, t.server.model_name, router, breakers,
                  quarantine, metrics, t.server.default_max_tokens, t.server.allow_faults,
-                 standby.sessions if standby else 0, vocab.control_ids)
+                 standby.sessions if standby else 0, vocab.control_ids, t.int4.precision,
+                 client.verifies)
     metrics.watch_pools(client.stats, {"int4": t.int4.name, **({"standby": standby.name} if standby else {})})
     metrics.watch_breakers(breakers)
     metrics.watch_quarantine(quarantine)

@@ -25,6 +25,9 @@
     max_queue = 64                 # waiting requests beyond the slots; then 429
     weight = 1.0                   # share of new requests routed here
     handoff_to = "standby"         # the pool that catches this pool's handoffs
+    precision = "fast"             # "fast": INT4's answers, guarded; "verified": INT4 drafts and the
+                                   # standby's first rung decides every token (its answers, verified
+                                   # decoding); a request may ask with "qladder": {"precision": ...}
 
     # or, in front of a llama.cpp server a team already runs (every token it streams is checked):
     #   rungs = ["llama-server"]
@@ -74,6 +77,7 @@ from qladder.types import DEFAULT_MAX_TOKENS
 INT4_RUNGS = ("int4", "llama-server")  # in-process, or a remote llama.cpp server (`url`)
 FULL_RUNGS = ("fp32", "bf16", "w4a16", "vllm")  # in-process torch, or a remote vLLM server (`url`)
 REMOTE_RUNGS = ("llama-server", "vllm")
+PRECISIONS = ("fast", "verified")
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class PoolConfig:
     weight: float = 0.0
     handoff_to: str | None = None
     url: str | None = None  # the server of the pool's remote rung (rungs = ["llama-server"] or ["vllm"])
+    precision: str = "fast"  # an INT4 pool's default: "fast" or "verified" (verified decoding)
 
     @property
     def kind(self) -> str:
@@ -284,6 +289,14 @@ def _check_pools(pools: tuple[PoolConfig, ...], errors: list[str]) -> None:
             errors.append(f"{where}: handoff_to names no pool ({p.handoff_to!r}; pools: {', '.join(names)})")
         if p.handoff_to == p.name:
             errors.append(f"{where}: a pool cannot catch its own handoffs")
+        if p.precision not in PRECISIONS:
+            errors.append(f"{where}: precision must be one of {', '.join(PRECISIONS)}, got {p.precision!r}")
+        elif p.precision == "verified" and p.kind != "int4":
+            errors.append(f"{where}: precision = \"verified\" is an INT4 pool's (its drafts are verified)")
+        elif p.precision == "verified" and (remote or not any(
+                q.name == p.handoff_to and q.rungs and q.rungs[0] not in REMOTE_RUNGS for q in pools)):
+            errors.append(f"{where}: precision = \"verified\" needs an in-process int4 rung and an in-process "
+                          "standby pool to hand off to (its first rung verifies)")
     int4 = [p for p in pools if p.kind == "int4"]
     standby = [p for p in pools if p.kind == "standby"]
     if len(int4) != 1:

@@ -33,6 +33,11 @@ class AbortRegistry:
         with self._lock:
             return request_id in self._aborted
 
+    def is_live(self, request_id: str) -> bool:
+        """Whether the request is in flight (started, its final event not yet delivered)."""
+        with self._lock:
+            return request_id in self._live
+
     def end(self, request_id: str) -> None:
         with self._lock:
             self._live.discard(request_id)

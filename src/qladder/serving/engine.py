@@ -136,7 +136,8 @@ class ServingEngine:
         # remote pool's loop; a request leaving any pool for rung j goes to j's (`handoffs`).
         self.handoffs = Handoffs({})
         self.standby = StandbyPool(local, self.aborts, c.standby_sessions, c.standby_queue,
-                                   on_return=self._return, forward=self.handoffs.submit, clock=clock) \
+                                   on_return=self._return, forward=self.handoffs.submit, clock=clock,
+                                   on_checked=self._checked, verify_sessions=c.slots) \
             if local else None
         self.remote = RemotePool(remote, self.aborts, c.remote, forward=self.handoffs.submit, clock=clock) \
             if remote else None
@@ -167,10 +168,12 @@ class ServingEngine:
 
     def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                 request_id: str | None = None, faults: Sequence[Fault] = (), prompt_text: str | None = None,
-                ladder: LadderConfig | None = None, start_rung: int = 0, flagged: bool = False) -> Request:
+                ladder: LadderConfig | None = None, start_rung: int = 0, flagged: bool = False,
+                verified: bool = False) -> Request:
         """A Request with a fresh id (token ids already sanitized and templated)."""
         return Request(request_id or uuid.uuid4().hex[:16], tuple(int(t) for t in prompt_ids),
-                       params or SamplingParams(), tuple(faults), prompt_text, ladder, start_rung, flagged)
+                       params or SamplingParams(), tuple(faults), prompt_text, ladder, start_rung, flagged,
+                       verified)
 
     def _check(self, r: Request) -> None:
         if r.faults and not self.config.allow_faults:
@@ -179,6 +182,9 @@ class ServingEngine:
             raise InputError("empty prompt")
         if not 0 <= r.start_rung < len(self.rungs):
             raise ConfigError(f"start_rung {r.start_rung} is not a rung of {self.rungs}")
+        if r.verified and not self.verifies:
+            raise ConfigError("verified decoding needs an in-process int4 pool and an in-process rung above it "
+                              f"(this engine: {self.rungs}, int4 {'remote' if self.remote else 'in-process'})")
         check_prompt_fits(len(r.prompt_ids), min(self.n_ctx))
         if any(not 0 <= t < self.int4.n_vocab for t in r.prompt_ids):
             raise InputError(f"token ids must be in [0, {self.int4.n_vocab})")
@@ -237,6 +243,17 @@ class ServingEngine:
 
     def _return(self, m: RequestMachine) -> None:
         self.scheduler.resubmit(m)
+
+    def _checked(self, m: RequestMachine) -> None:
+        """A verified request's window was decided at the standby: back to its INT4 slot."""
+        assert isinstance(self.scheduler, Int4Scheduler)
+        self.scheduler.resume(m)
+
+    @property
+    def verifies(self) -> bool:
+        """Whether this engine serves verified requests: an in-process INT4 pool drafts and an
+        in-process rung 1 (the standby's first) decides."""
+        return isinstance(self.int4, BatchedLlamaCpp) and self.standby is not None and 1 in self.standby.engines
 
     def generate(self, request: Request) -> AsyncEvents:
         """Submit now (a full queue raises QueueFullError here, before any await) and return the

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import httpx
 
 from qladder import fault_seam
-from qladder.actions import Confirm, Done, Leave, Move, MoveTo, Verify
+from qladder.actions import Confirm, Done, Drafted, Leave, Move, MoveTo, Verify
 from qladder.engines.remote import RemoteEnd, RemoteRung
-from qladder.errors import EngineDeadError, EngineError, QueueFullError, RemoteStreamError
+from qladder.errors import ConfigError, EngineDeadError, EngineError, QueueFullError, RemoteStreamError
 from qladder.health.remote import RemoteToken, check_draft
 from qladder.machine import RequestMachine
 from qladder.sampling import SamplingParams, TokenLogprob
@@ -119,6 +119,8 @@ class RemotePool:
         (MoveTo/Verify of a rung of this pool). Raises QueueFullError when full."""
         if not self._thread.is_alive():
             raise EngineDeadError("the remote pool's thread is gone")
+        if isinstance(action, Drafted):  # the serving engine refuses verified requests with a remote verifier
+            raise ConfigError("verified decoding needs an in-process verifying rung")
         with self._lock:
             if self._n >= self.config.max_inflight:
                 raise QueueFullError(f"{self._n} requests are in flight on the remote rungs", retry_after_s=1.0)
@@ -226,7 +228,7 @@ class RemotePool:
     def _error(self, m: RequestMachine, detail: str) -> Hazard:
         return Hazard("engine_error", m.rungs[m.rung], m.step, detail=detail)
 
-    async def _tokens(self, m: RequestMachine, rung: RemoteRung, j: int) -> Hazard | Leave | None:
+    async def _tokens(self, m: RequestMachine, rung: RemoteRung, j: int) -> Hazard | MoveTo | Verify | None:
         """Judge and release the streamed tokens. None: the request ended (done or aborted); a
         Hazard (the stream is closed on return: the server stops this request); or a policy move."""
         assert self._client is not None  # made by the loop's thread before any request runs

@@ -49,8 +49,8 @@ class RemoteVisit:
 
     def await_draft_check(self, n: int) -> None:
         """The rung above checks this visit's first `n` tokens before any is released."""
-        self.m.await_check(n)
+        self.m.hold(n, check=True)
 
     def draft_checked(self) -> None:
         """The standby passed the draft (or could not say): release as a remote rung does."""
-        self.m.check_passed(self.hold)
+        self.m.hold(self.hold)

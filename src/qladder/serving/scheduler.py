@@ -38,12 +38,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from qladder import fault_seam
-from qladder.actions import Action, Continue, Done, Leave, MoveTo, StepFailed, Verify
+from qladder.actions import Action, Continue, Done, Drafted, Leave, MoveTo, StepFailed, Verify
 from qladder.engines.base import StepOutput
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
 from qladder.errors import EngineDeadError, EngineError, QueueFullError
+from qladder.health.guard import GuardConfig, StepGuard
 from qladder.machine import RequestMachine, step
+from qladder.sampling import Sampler
 from qladder.serving.aborts import AbortRegistry
+from qladder.serving.drafts import LEAVE_AFTER, Drafts
 from qladder.serving.handoffs import RungPool
 from qladder.types import FinishReason, Hazard
 
@@ -67,14 +70,21 @@ class SchedulerConfig:
 
 @dataclass
 class _Slot:
-    m: RequestMachine
+    m: RequestMachine  # not to be touched while `drafts.away` (the verifying rung has it)
     slot: int
+    guard: GuardConfig  # the request's guard config and guard (read while its machine may be away)
+    checker: StepGuard
     n_past: int = 0  # positions of this slot in the KV cache
     feed: list[int] = field(default_factory=list)  # ids still to evaluate (prompt, catch-up)
     returning: bool = False
     faults: RowFaults | None = None  # test machinery, only on a request that carries step faults
     gain: bool = False  # a gain fault set on this slot's rows (cleared at release)
     chunked: bool = False  # its peaks hold earlier, unjudged prefill chunks (carried to the next)
+    drafts: Drafts | None = None  # a verified request's drafts (serving/drafts.py)
+
+    @property
+    def away(self) -> bool:
+        return self.drafts is not None and self.drafts.away
 
 
 @dataclass
@@ -145,6 +155,16 @@ class Int4Scheduler:
             self._inbox.put(("return", m))
         self._wake.set()
 
+    def resume(self, m: RequestMachine) -> None:
+        """A verified request's machine back from the verifying rung (its window decided, or ended)."""
+        with self._count_lock:
+            if not self._accepting:
+                if m.done is None:
+                    m.finish(FinishReason.ABORT)
+                return
+            self._inbox.put(("resume", m))
+        self._wake.set()
+
     def wake(self) -> None:
         """An abort was registered: look at it at the next step."""
         self._wake.set()
@@ -180,7 +200,8 @@ class Int4Scheduler:
             self._take_inbox()
             ended = FinishReason.ABORT if self.dead is None else FinishReason.DEGRADED
             for s in [*self._slots.values(), *self._waiting]:
-                s.m.finish(ended, fallback=self.dead is not None)
+                if not s.away:  # an away machine is the verifying rung's to end
+                    s.m.finish(ended, fallback=self.dead is not None)
             self._slots.clear()
             self._waiting.clear()
 
@@ -191,11 +212,9 @@ class Int4Scheduler:
             if not self.healthy and self.clock() - self._last_probe > self.config.probe_every_s:
                 self._probe()
             self._admit()
-            if not self._slots:
+            if not self._slots or not self._step():  # idle, or every slot waits (a verification)
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
-                continue
-            self._step()
 
     def _take_inbox(self) -> None:
         while True:
@@ -203,12 +222,51 @@ class Int4Scheduler:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            if kind == "resume":
+                self._resume(item)
+                continue
             faults = fault_seam.row_faults(item.req.faults)  # the request's step faults, if any
+            s = _Slot(item, -1, item.config.guard, item.guard, feed=item.context, faults=faults,
+                      drafts=self._drafts(item))
             if kind == "new":
-                self._waiting.append(_Slot(item, -1, feed=list(item.prompt), faults=faults))
+                self._waiting.append(s)
             else:
                 self._count(+1)
-                self._waiting.appendleft(_Slot(item, -1, feed=item.context, returning=True, faults=faults))
+                s.returning = s.drafts is None  # a verified request is not handed back: it re-drafts
+                self._waiting.appendleft(s)
+
+    def _drafts(self, m: RequestMachine) -> Drafts | None:
+        if not m.req.verified:
+            return None
+        sampler = None if m.params.greedy else Sampler(m.params, seed_offset=0x5EED)
+        return Drafts(m.context, len(m.prompt), m.params, m.eos_ids, min(m.n_ctx), sampler)
+
+    def _resume(self, m: RequestMachine) -> None:
+        """A verified request is back: free its slot if it ended, else keep what of its drafts and
+        KV still stands, and draft on (a slot lost meanwhile: admitted again, its context prefilled)."""
+        s = next((x for x in self._slots.values() if x.m is m), None)
+        if s is None:
+            if m.done is None:
+                self._count(+1)
+                self._waiting.appendleft(_Slot(m, -1, m.config.guard, m.guard, feed=m.context,
+                                               faults=fault_seam.row_faults(m.req.faults), drafts=self._drafts(m)))
+            return
+        d = s.drafts
+        assert d is not None
+        if m.done is not None:
+            self._release(s)
+            return
+        poisoned = d.hazard is not None and d.sent == len(d.ids)  # its last evaluated position made a bad row
+        lcp = d.reconcile(m.context)
+        keep = min(s.n_past, lcp, s.n_past - 1 if poisoned else s.n_past)
+        if keep < s.n_past:
+            self.engine.truncate(s.slot, keep)
+            s.n_past = keep
+        s.feed = (d.base + d.ids)[keep:]
+        if d.hazard is not None and d.strikes >= LEAVE_AFTER:  # refused again while away
+            self._give_up_drafting(s, d.hazard)
+            return
+        self._send(s)
 
     def _drop_aborted(self) -> None:
         for s in [s for s in self._waiting if self.aborts.is_aborted(s.m.request_id)]:
@@ -217,7 +275,10 @@ class Int4Scheduler:
             s.m.finish(FinishReason.ABORT)
         for s in [s for s in self._slots.values() if self.aborts.is_aborted(s.m.request_id)]:
             self._release(s)
-            s.m.finish(FinishReason.ABORT)
+            if not s.away:  # an away machine: the verifying rung ends it
+                s.m.finish(FinishReason.ABORT)
+        for s in [s for s in self._slots.values() if s.away and not self.aborts.is_live(s.m.request_id)]:
+            self._release(s)  # ended at the verifying rung (it left verification: a hazard there)
 
     def _admit(self) -> None:
         while self._waiting and self._free and self.healthy:
@@ -263,16 +324,17 @@ class Int4Scheduler:
                 if prefilling is None:
                     prefilling = s  # one prefill chunk a step (see the module docstring)
                 continue
-            if s.feed:
+            if s.feed and (s.drafts is None or s.drafts.wants_row()):
                 entries.append(Entry(s.slot, s.feed, s.n_past))
                 batch.append(s)
         return entries, batch, prefilling
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
         """One scheduler step: one prefill chunk alone (llama.cpp decodes a prompt apart from
         other sequences' rows: see llamacpp_batch), then a decode of every decoding row, the
         request whose prefill just ended among them. Prefill first: a new request's first token
-        does not wait for a decode step of the others (~60 ms at 8 rows)."""
+        does not wait for a decode step of the others (~60 ms at 8 rows). False when there was
+        nothing to decode (every slot waits for its verification)."""
         _, _, prefilling = self._plan()
         if prefilling is not None:
             chunk = prefilling.feed[: self.config.prefill_chunk]
@@ -285,7 +347,10 @@ class Int4Scheduler:
         entries, batch, _ = self._plan()
         if entries and self.healthy:
             self._run_batch(entries, batch, False)
+        elif prefilling is None:
+            return False
         self.steps += 1
+        return True
 
     def _run_batch(self, entries: list[Entry], batch: list[_Slot], prefill: bool) -> None:
         """One llama_decode, watched. Each request's own guard config decides what it needs: a
@@ -295,14 +360,14 @@ class Int4Scheduler:
         never depends on its neighbours); row stats are computed when one checks logits, and the
         deadline is the tightest row's."""
         cfg = self.config
-        guards = [s.m.config.guard for s in batch]
+        guards = [s.guard for s in batch]
         due = [self.monitor and g.check_activations and (prefill or self.steps % g.activation_every == 0)
                for g in guards]
         monitor = any(due)
         row_stats = any(g.check_logits for g in guards)
         deadline = min(g.step_deadline_s for g in guards)
         for e, s in zip(entries, batch, strict=True):
-            stall = s.faults.stall(s.m.step) if s.faults is not None and e.logits else None
+            stall = s.faults.stall(self._pos(s)) if s.faults is not None and e.logits else None
             if stall is not None:
                 if self.engine.has_native:
                     self.engine.arm_stall(int(stall * 1e3))
@@ -341,7 +406,15 @@ class Int4Scheduler:
         self.rows_s += time.perf_counter() - t1
         self.rows += len(batch)
 
+    @staticmethod
+    def _pos(s: _Slot) -> int:
+        """The answer's step the slot's next row is for."""
+        return s.drafts.position if s.drafts is not None else s.m.step
+
     def _on_row(self, s: _Slot, error: str | None, monitored: bool) -> None:
+        if s.drafts is not None:
+            self._on_draft(s, s.drafts, error, monitored)
+            return
         m, eng = s.m, self.engine
         out: StepOutput | StepFailed
         if error is not None:  # a failed decode: every row of the batch leaves
@@ -366,6 +439,60 @@ class Int4Scheduler:
             s.feed = [m.accepted[-1]]
             return
         self._leave(s, action)
+
+    def _on_draft(self, s: _Slot, d: Drafts, error: str | None, monitored: bool) -> None:
+        """A verified request's INT4 row: judged by the guard, it gives the next draft; a row the
+        guard refuses ends the drafting (the verifying rung takes that step)."""
+        eng, pos, name = self.engine, d.position, self.engine.name
+        hazard: Hazard | None = None
+        native = True
+        if error is not None:
+            hazard = Hazard("engine_error", name, pos, detail=error)
+        else:
+            peaks, rest = eng.peaks(s.slot) if monitored else (None, None)
+            out = StepOutput(eng.row(s.slot), eng.row_stats(s.slot), peaks, rest,
+                             eng.activation_limit if monitored else None)
+            if s.faults is not None:  # test machinery: the row as the faults make it
+                try:
+                    faulted = s.faults.output(out, pos)
+                except EngineError as exc:
+                    faulted, hazard = out, Hazard("engine_error", name, pos, detail=str(exc))
+                native = faulted is out
+                out = faulted
+            if hazard is None:
+                hazard = s.checker.check(out.row, (d.base + d.ids)[d.n_prompt:], name, out.peaks,
+                                         out.activation_limit, out.rest_peaks, out.stats, repetition=False)
+        if hazard is not None:
+            d.hazard, d.strikes = hazard, d.strikes + 1
+            if d.strikes >= LEAVE_AFTER and not d.away:  # INT4 keeps failing here: fp32 alone from now
+                self._give_up_drafting(s, hazard)
+                return
+        else:
+            d.strikes = 0
+            if d.sampler is None:
+                token = eng.argmax(s.slot) if native else int(out.row.argmax())
+            else:
+                q = d.sampler.probs(out.row)
+                d.q.append(q)
+                token = d.sampler.draw(q)
+            d.ids.append(token)
+            s.feed = [token]
+        self._send(s)
+
+    def _give_up_drafting(self, s: _Slot, hazard: Hazard) -> None:
+        """INT4's rows keep failing for a verified request: it leaves verified decoding (an
+        ordinary hazard on rung 0, handed off: the verifying rung decodes the rest alone)."""
+        s.drafts = None
+        s.m.decided_by(0, None)
+        self._leave(s, s.m.on_hazard(hazard, None))
+
+    def _send(self, s: _Slot) -> None:
+        """A verified request whose machine is here and whose window is ready goes to the verifying rung."""
+        d = s.drafts
+        if d is None or not d.ready():
+            return
+        ids, q, hazard = d.window()
+        self._to_standby(s.m, Drafted(1, ids, q, hazard))
 
     def _leave(self, s: _Slot, action: Action) -> None:
         """The request leaves the pool: done, or to the standby (its slot freed either way)."""
@@ -441,6 +568,8 @@ class Int4Scheduler:
             self.engine.abort()
             for s in f.slots:
                 m = s.m
+                if s.away:  # the verifying rung has it: it comes back to a slot that is gone
+                    continue
                 if self.aborts.is_aborted(m.request_id):
                     m.finish(FinishReason.ABORT)
                     continue

@@ -1,13 +1,21 @@
-"""The shared standby: full-precision rungs serving the handoffs of every request.
+"""The shared standby: full-precision rungs serving the handoffs (and verifications) of every request.
 
-One worker thread owns the standby's engines (a torch rung's activation hooks write into buffers
-of the engine, so one thread steps them). It keeps at most `max_sessions` requests open and
-steps them round-robin, one decode step each, so every handed-off request progresses; further
-handoffs wait in a FIFO queue instead of oversubscribing the cores (2 cores: the INT4 pool on
-one, the standby on the other). A request arrives as its `RequestMachine` (an ownership
-transfer: the sender never touches it again) with the action to carry out: `MoveTo(j)` or
-`Verify(j)`. A policy return to rung 0 (`return_after`) hands the machine back to `on_return`; a
-move to a rung this pool does not run (a remote one) hands it to `forward`.
+One worker thread owns the standby's engines. A torch rung runs batched (`BatchedTorch`): each
+turn of the loop is one forward per rung over every open session's new tokens (a decode token,
+a chunk of a handoff's context, a window of drafts to verify), so sessions progress together
+and a turn with eight costs little more than a turn with one. Another kind of engine is stepped
+one session after the other. At most `max_sessions` handoffs are open at once; more wait in a
+FIFO queue. A request arrives as its `RequestMachine` (an ownership transfer: the sender never
+touches it again) with what to carry out:
+
+    MoveTo(j)    open rung j on the context (token ids), then decode: every row through `step`
+    Verify(j)    a repetition: rung j's greedy token on the same context -> m.on_verify
+    Drafted(j)   verified decoding: rung j decides the drafts in one forward (serving/verify.py),
+                 then the machine goes back to rung 0 (`on_checked`) to draft on; the session
+                 stays here, keyed by the request, until the request ends
+
+A policy return to rung 0 (`return_after`) hands the machine back to `on_return`; a move to a rung
+this pool does not run (a remote one) hands it to `forward`.
 """
 
 from __future__ import annotations
@@ -19,26 +27,42 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from qladder.actions import Action, Continue, Done, Leave, MoveTo, StepFailed, Verify
+import torch
+
+from qladder.actions import Action, Continue, Done, Drafted, Leave, MoveTo, StepFailed, Verify
 from qladder.engines.base import Engine, Session, StepOutput
+from qladder.engines.torch_batch import BatchedTorch, BatchedTorchSession
+from qladder.engines.torch_engine import TorchEngine
 from qladder.errors import EngineDeadError, EngineError, QueueFullError
 from qladder.machine import RequestMachine, step
+from qladder.serving import verify
 from qladder.serving.aborts import AbortRegistry
 from qladder.types import FinishReason, Hazard
 
 _log = logging.getLogger("qladder.standby")
+# What a forward gives a task: its rows, the last row's StepOutput (with the forward's peaks) and
+# the time a deadline sees; or the engine's failure.
+Rows = tuple[torch.Tensor, StepOutput, float] | StepFailed
 
 
-@dataclass
+@dataclass(eq=False)  # by identity: a task is a key of the turn's rows
 class _Task:
     m: RequestMachine
-    action: Action
+    action: Action | Drafted
     enqueued: float
     session: Session | None = None
-    unpushed: bool = False
-    opened: list[float] = field(default_factory=list)
+    rung: int = 0  # the rung of `session`
+    feed: list[int] | None = None  # ids to evaluate before the task's next rows
+    rows: int = 1  # rows wanted from the forward that ends `feed`
+    opened: bool = False  # `feed` opens the rung (a handoff's context), not a decode step
+    handoff: bool = True  # counts against max_sessions (a verification window does not)
+
+
+def batched(engine: Engine, sessions: int) -> Engine:
+    """A torch rung becomes its batched form (the same weights); another engine stays as it is."""
+    return BatchedTorch(engine, sessions) if isinstance(engine, TorchEngine) else engine
 
 
 class StandbyPool:
@@ -47,19 +71,33 @@ class StandbyPool:
     def __init__(self, engines: Mapping[int, Engine], aborts: AbortRegistry, max_sessions: int = 4,
                  max_queue: int = 256, on_return: Callable[[RequestMachine], None] | None = None,
                  forward: Callable[[RequestMachine, Leave], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter,
+                 on_checked: Callable[[RequestMachine], None] | None = None,
+                 verify_sessions: int = 12, prefill_chunk: int = 256, deadline_per_token_s: float = 0.02):
         """on_return: a policy move back to rung 0. forward: a move to a rung not here (a remote
-        one; QueueFullError when its pool is full)."""
-        self.engines = dict(engines)
+        one; QueueFullError when its pool is full). on_checked: a verified request's window was
+        decided (or it ended): back to rung 0. verify_sessions: verified requests' sessions kept
+        at once, beside the handoffs'. A forward's time, less `deadline_per_token_s` for each
+        token past the first, is what a step's deadline sees (a context's chunk is not a stall)."""
+        self._given = dict(engines)
+        self.engines = {j: batched(e, max_sessions + verify_sessions) for j, e in engines.items()}
         self.forward = forward
         self.aborts = aborts
         self.max_sessions = max_sessions
         self.on_return = on_return
+        self.on_checked = on_checked
+        self.prefill_chunk = prefill_chunk
+        self.deadline_per_token_s = deadline_per_token_s
         self.clock = clock
         self._inbox: queue.Queue[_Task | None] = queue.Queue(maxsize=max_queue)
         self._waiting: deque[_Task] = deque()
         self._active: list[_Task] = []
+        self._kept: dict[str, tuple[RequestMachine, Session]] = {}  # verified requests' sessions
         self.waits_ms: deque[float] = deque(maxlen=1024)  # queue wait of recent handoffs
+        self.forwards = 0  # batched forwards run
+        self.windows = 0  # draft windows decided
+        self.drafts = 0  # drafts in them
+        self.drafts_kept = 0  # drafts that stood
         self.bugs: list[BaseException] = []  # exceptions of our own code, raised again by close()
         self._thread = threading.Thread(target=self._run, name="qladder-standby", daemon=True)
         for e in self.engines.values():
@@ -70,7 +108,7 @@ class StandbyPool:
     def submit(self, m: RequestMachine, action: Leave) -> None:
         """Take over a request (the caller gives it up). Raises QueueFullError when full."""
         try:
-            self._inbox.put_nowait(_Task(m, action, self.clock()))
+            self._inbox.put_nowait(_Task(m, action, self.clock(), handoff=not isinstance(action, Drafted)))
         except queue.Full:
             raise QueueFullError("the standby's queue is full") from None
 
@@ -80,13 +118,16 @@ class StandbyPool:
 
     @property
     def active(self) -> int:
-        return len(self._active)
+        return sum(t.handoff for t in self._active)
 
     def close(self) -> None:
         """Stop the worker (requests still open end as aborted); raises EngineDeadError when a bug
         of our own code was caught while serving (bugs are not hazards)."""
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        for j, e in self.engines.items():
+            if e is not self._given[j]:
+                e.close()  # the batched form's cache (the weights are the given engine's)
         if self.bugs:
             raise EngineDeadError(f"the standby hit {len(self.bugs)} bug(s): {self.bugs[0]!r}") from self.bugs[0]
 
@@ -101,24 +142,33 @@ class StandbyPool:
                     if t is None:
                         self._shutdown()
                         return
-                    self._waiting.append(t)
+                    if t.handoff:
+                        self._waiting.append(t)
+                    else:
+                        self._active.append(t)
             except queue.Empty:
                 pass
-            while self._waiting and len(self._active) < self.max_sessions:
+            self._sweep()
+            while self._waiting and self.active < self.max_sessions:
                 t = self._waiting.popleft()
                 self.waits_ms.append((self.clock() - t.enqueued) * 1e3)
                 self._active.append(t)
-            for t in list(self._active):
-                try:
-                    finished = self._advance(t)
-                except Exception as exc:  # a bug in our code: the request still gets an answer,
-                    _log.exception("standby failed on request %s", t.m.request_id)  # and close() raises
-                    self.bugs.append(exc)
+            try:
+                self._turn()
+            except Exception as exc:  # a bug in our code: every request of the turn still gets an
+                _log.exception("the standby failed")  # answer, and close() raises
+                self.bugs.append(exc)
+                for t in self._active:
                     self._close(t)
                     t.m.finish(FinishReason.DEGRADED, fallback=True)
-                    finished = True
-                if finished:
-                    self._active.remove(t)
+                    self._back(t)
+                self._active.clear()
+
+    def _sweep(self) -> None:
+        """Close the kept sessions of verified requests that have ended (anywhere)."""
+        for rid in [r for r in self._kept if not self.aborts.is_live(r)]:
+            with contextlib.suppress(Exception):
+                self._kept.pop(rid)[1].close()
 
     def _shutdown(self) -> None:
         for t in [*self._active, *self._waiting]:
@@ -126,38 +176,73 @@ class StandbyPool:
             t.m.finish(FinishReason.ABORT)
         self._active.clear()
         self._waiting.clear()
+        for _, s in self._kept.values():
+            with contextlib.suppress(Exception):
+                s.close()
+        self._kept.clear()
 
     def _close(self, t: _Task) -> None:
-        if t.session is not None:
+        """Close the task's session, and the request's kept verifying session (it leaves verification)."""
+        kept = self._kept.pop(t.m.request_id, None)
+        for s in {id(x): x for x in (t.session, kept[1] if kept is not None else None) if x is not None}.values():
             with contextlib.suppress(Exception):
-                t.session.close()
-            t.session = None
+                s.close()
+        t.session = None
 
-    def _advance(self, t: _Task) -> bool:
-        """One unit of work on a task: open a rung, or one decode step. True when it is done."""
+    def _turn(self) -> None:
+        """Prepare every active task's work, run one forward per rung, act on the rows."""
+        for t in list(self._active):
+            if self._prepare(t):
+                self._active.remove(t)
+        by_rung: dict[int, list[_Task]] = {}
+        for t in self._active:
+            if t.session is not None and t.feed is not None:
+                by_rung.setdefault(t.rung, []).append(t)
+        for j, tasks in by_rung.items():
+            done = self._forward(self.engines[j], tasks)
+            for t in tasks:
+                if t in done and self._rows(t, done[t]):
+                    self._active.remove(t)
+
+    def _prepare(self, t: _Task) -> bool:
+        """Before the forward: end an aborted or finished task, carry out a move (open the rung:
+        its context becomes the feed), or queue the next token. True when the task leaves."""
         m = t.m
         if self.aborts.is_aborted(m.request_id):
             self._close(t)
             m.finish(FinishReason.ABORT)
+            self._back(t)
             return True
         if isinstance(t.action, Done):
             self._close(t)
+            self._back(t)
             return True
+        if t.feed is not None:
+            return False  # a context still being evaluated, chunk by chunk
+        if isinstance(t.action, Drafted):
+            return self._open_window(t, t.action)
         if isinstance(t.action, (MoveTo, Verify)):
             return self._carry_out(t)
-        return self._step(t)
+        assert t.session is not None and isinstance(t.action, Continue)
+        t.feed, t.rows, t.opened = [m.accepted[-1]], 1, False
+        return False
+
+    def _back(self, t: _Task) -> None:
+        """A verified request goes back to rung 0 whatever happened here (its slot waits there)."""
+        if not t.handoff and self.on_checked is not None:
+            self.on_checked(t.m)
 
     def _carry_out(self, t: _Task) -> bool:
         m, action = t.m, t.action
         assert isinstance(action, (MoveTo, Verify))
         j = action.rung
-        if j == 0:  # the policy returns to the INT4 pool
+        if j == 0 and self.on_return is not None:  # the policy returns to the INT4 pool
             self._close(t)
-            if self.on_return is None:
-                t.action = Continue()
-                return False
             self.on_return(m)
             return True
+        if j == 0:  # no pool to return to: go on here
+            t.action = Continue()
+            return self._prepare(t)
         if j not in self.engines:  # a rung on another pool (a remote server)
             self._close(t)
             try:
@@ -168,52 +253,168 @@ class StandbyPool:
                 pass
             m.finish(FinishReason.DEGRADED, fallback=True)  # nothing is lost: the explicit fallback
             return True
-        engine = self.engines[j]
-        same = t.session is not None and m.rung == j  # opened by a Verify on this rung already
-        if isinstance(action, MoveTo) and same:
-            t.action = Continue()
-            return False
         self._close(t)
-        ctx = m.context
-        start = m.rung == j and isinstance(action, MoveTo)  # a request routed here from the start
+        t.handoff = True
         try:
-            t.session = engine.open(ctx)
+            t.session = self._reserve(self.engines[j], m.context)
         except EngineError as exc:
-            if not start:
-                m.moved(j, len(ctx), warm=False)
-            t.action = m.on_hazard(Hazard("engine_error", engine.name, m.step, detail=str(exc)), None)
-            return isinstance(t.action, Done)
-        if isinstance(action, Verify):
-            try:
-                nxt: int | None = int(t.session.logits().argmax())
-            except EngineError:
-                nxt = None
-            t.action = m.on_verify(nxt)
-            if isinstance(t.action, MoveTo) and t.action.rung == j:
-                m.moved(j, len(ctx), warm=False)
-                t.action = Continue()
-            return isinstance(t.action, Done)
-        if not start:
-            m.moved(j, len(ctx), warm=False)
-        t.action = Continue()
-        t.unpushed = False
+            return self._open_failed(t, j, str(exc))
+        t.rung, t.feed, t.rows, t.opened = j, self._pending(t.session), 1, True
         return False
 
-    def _step(self, t: _Task) -> bool:
-        m, s = t.m, t.session
-        assert s is not None
+    def _open_window(self, t: _Task, d: Drafted) -> bool:
+        m = t.m
+        kept = self._kept.get(m.request_id)
+        if kept is not None and kept[0] is m:
+            t.session = kept[1]
+        else:
+            try:
+                t.session = self._reserve(self.engines[d.rung], m.context)
+            except EngineError as exc:
+                return self._open_failed(t, d.rung, str(exc))
+            self._kept[m.request_id] = (m, t.session)
+            self._pending(t.session)  # dropped: the window below starts at the context's first id
+        m.decided_by(d.rung, d.hazard)
+        t.rung, t.feed = d.rung, verify.window(m, t.session.n_tokens, d)
+        t.rows, t.opened = len(d.ids) + 1, True
+        return False
+
+    def _open_failed(self, t: _Task, j: int, error: str) -> bool:
+        m = t.m
+        self._close(t)
+        if isinstance(t.action, MoveTo) and m.rung != j:
+            m.moved(j, len(m.context), warm=False)
+        t.action = m.on_hazard(Hazard("engine_error", self.engines[j].name, m.step, detail=error), None)
+        if isinstance(t.action, Done):
+            self._back(t)
+            return True
+        t.handoff = True
+        return False
+
+    @staticmethod
+    def _reserve(engine: Engine, ids: list[int]) -> Session:
+        """A session whose ids are evaluated by the pool's forwards (a batched rung), or opened now."""
+        if isinstance(engine, BatchedTorch):
+            return engine.reserve(ids)
+        return engine.open(ids)
+
+    @staticmethod
+    def _pending(s: Session) -> list[int]:
+        return s.take_pending() if isinstance(s, BatchedTorchSession) else []
+
+    def _forward(self, engine: Engine, tasks: list[_Task]) -> dict[_Task, Rows]:
+        """One forward over the tasks' feeds (a batched rung), or one session after the other.
+        Returns the rows of each task whose feed ended (an EngineError: StepFailed)."""
         t0 = self.clock()
-        out: StepOutput | StepFailed
-        try:
-            if t.unpushed:
-                t.unpushed = False
-                s.push(m.accepted[-1])
-            out = s.output()
-        except EngineError as exc:
-            out = StepFailed(str(exc))
-        t.action = step(m, out, self.clock() - t0)
+        out: dict[_Task, Rows] = {}
+        chunks = {t: self._chunk(t) for t in tasks}
+        if isinstance(engine, BatchedTorch):
+            work = []
+            for t in tasks:
+                assert isinstance(t.session, BatchedTorchSession)
+                ids, last = chunks[t]
+                work.append((t.session, ids, t.rows if last else 0))
+            try:
+                engine.run(work)
+            except EngineError as exc:
+                return {t: StepFailed(str(exc)) for t in tasks}
+            self.forwards += 1
+            took = self._took(t0, sum(len(ids) for ids, _ in chunks.values()))
+            for s, _, n in work:
+                t = next(t for t in tasks if t.session is s)
+                if n:
+                    out[t] = (s.rows(), s.output(), took)
+            return out
+        for t in tasks:  # an engine without a batched form: its sessions one by one
+            ids, _ = chunks[t]
+            one = t.session
+            assert one is not None
+            t0 = self.clock()
+            try:
+                rows = [one.logits().clone()] if t.rows > len(ids) else []
+                for i, tok in enumerate(ids):
+                    one.push(tok)
+                    if i >= len(ids) - t.rows:
+                        rows.append(one.logits().clone())
+                out[t] = (torch.stack(rows), one.output(), self._took(t0, len(ids)))
+            except EngineError as exc:
+                out[t] = StepFailed(str(exc))
+        return out
+
+    def _took(self, t0: float, n_tokens: int) -> float:
+        return max(self.clock() - t0 - self.deadline_per_token_s * max(n_tokens - 1, 0), 0.0)
+
+    def _chunk(self, t: _Task) -> tuple[list[int], bool]:
+        """The next chunk of a task's feed, and whether it is the last (a batched rung; another
+        engine opened its session on the context and gets the whole feed at once)."""
+        feed = t.feed or []
+        if not isinstance(t.session, BatchedTorchSession):
+            t.feed = None
+            return feed, True
+        ids, t.feed = feed[: self.prefill_chunk], feed[self.prefill_chunk:]
+        last = not t.feed
+        if last:
+            t.feed = None
+        return ids, last
+
+    def _rows(self, t: _Task, got: Rows) -> bool:
+        """Act on a task's rows. True when it leaves the pool."""
+        m, action = t.m, t.action
+        if isinstance(action, MoveTo) and t.opened and m.rung != action.rung:  # not routed here from the start
+            m.moved(action.rung, len(m.context), warm=False)
+        if isinstance(got, StepFailed):
+            if isinstance(action, Drafted):
+                self._close(t)
+                t.action = m.on_hazard(Hazard("engine_error", m.rungs[m.rung], m.step, detail=got.error), None)
+                return self._after_window(t)
+            if isinstance(action, Verify):
+                t.action = m.on_verify(None)  # the rung could not say
+                self._close(t)
+                return self._settle(t)
+            t.action = step(m, got, 0.0)
+            return self._settle(t)
+        rows, out, took = got
+        if isinstance(action, Drafted):
+            self.windows += 1
+            self.drafts += len(action.ids)
+            t.action, kept = verify.decide(m, rows, action, took, lambda r: _with_row(out, r))
+            self.drafts_kept += kept
+            return self._after_window(t)
+        if isinstance(action, Verify):
+            t.action = m.on_verify(int(rows[-1].argmax()))
+            if not (isinstance(t.action, MoveTo) and t.action.rung == action.rung):
+                if isinstance(t.action, MoveTo | Verify):
+                    self._close(t)  # elsewhere: carried out next turn
+                return self._settle(t)
+            m.moved(action.rung, len(m.context), warm=False)  # climbing here: this row is its first step
+        t.action = step(m, out, took)
+        return self._settle(t)
+
+    def _settle(self, t: _Task) -> bool:
         if isinstance(t.action, Done):
             self._close(t)
             return True
-        t.unpushed = isinstance(t.action, Continue)
         return False
+
+    def _after_window(self, t: _Task) -> bool:
+        """A window decided: back to rung 0 to draft on, ended, or (a hazard here) moved on."""
+        m = t.m
+        if isinstance(t.action, Continue):
+            s = t.session
+            assert s is not None
+            s.rollback(s.n_tokens - verify.keep(m))
+            t.session = None  # kept in self._kept for the next window
+            self._back(t)
+            return True
+        if isinstance(t.action, Done):
+            self._close(t)
+            self._back(t)
+            return True
+        self._close(t)  # a hazard on this rung with a rung above: an ordinary handoff from here
+        t.handoff = True
+        return False
+
+
+
+def _with_row(out: StepOutput, row: torch.Tensor) -> StepOutput:
+    return StepOutput(row, out.stats, out.peaks, out.rest_peaks, out.activation_limit)

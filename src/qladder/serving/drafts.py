@@ -1,0 +1,111 @@
+"""Verified decoding, rung 0's half: what an INT4 slot drafts ahead of its request.
+
+A verified request keeps its INT4 slot for its whole life. The slot drafts tokens after the
+request's context (INT4's rows, judged by the guard, sampled as the request samples: greedy, or
+from the request's distribution by a generator of the slot's own); a window of them goes to the
+verifying rung with the machine (`Drafted`), and while the machine is away the slot drafts on,
+as if every draft of the window stood and the verifying rung's own next token were INT4's next
+draft. When the machine comes back with the verifying rung's tokens, `reconcile` keeps what is
+still valid: the drafts past the new context when the new context is a prefix of what was
+drafted (the window stood whole and the next draft was right: the decode and the verification
+overlapped), otherwise nothing; the slot's KV is cut back to the longest prefix the new context
+shares with what it evaluated.
+
+A drafted row the guard refuses ends the drafting there: the verifying rung takes that step (a
+rejected draft). A second refusal with no draft between them means INT4 keeps failing on this
+request: it leaves verified decoding by an ordinary handoff (`LEAVE_AFTER` strikes).
+
+`next_k` adapts the window to the measured agreement: a window that stood whole grows by 2 (up to
+`K_MAX`), one that did not shrinks to what stood plus one (at least `K_MIN`). Pure functions of
+their arguments; the state is the scheduler thread's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from qladder.sampling import Sampler, SamplingParams
+from qladder.types import Hazard
+
+K_START, K_MIN, K_MAX = 6, 2, 16
+LEAVE_AFTER = 2
+
+
+def next_k(k: int, sent: int, kept: int) -> int:
+    """The next window's size after `kept` of `sent` drafts stood."""
+    if sent and kept >= sent:
+        return min(k + 2, K_MAX)
+    return max(kept + 1, K_MIN)
+
+
+@dataclass
+class Drafts:
+    """One verified request's drafts on its INT4 slot. Owned by the scheduler thread."""
+
+    base: list[int]  # the request's context when its machine was last here (prompt + accepted)
+    n_prompt: int
+    params: SamplingParams
+    eos_ids: frozenset[int]
+    n_ctx: int
+    sampler: Sampler | None = None  # a sampled request's draft generator (not its machine's)
+    ids: list[int] = field(default_factory=list)  # drafted after `base`
+    q: list[torch.Tensor] = field(default_factory=list)  # a sampled request's draft distributions
+    hazard: Hazard | None = None  # a drafted row the guard refused, right after `ids`
+    strikes: int = 0  # drafted rows refused in a row (no draft between them)
+    away: bool = False  # the machine is at the verifying rung
+    sent: int = 0  # drafts in the window out for verification
+    k: int = K_START
+
+    @property
+    def position(self) -> int:
+        """The answer's step the next draft is for."""
+        return len(self.base) + len(self.ids) - self.n_prompt
+
+    @property
+    def stopped(self) -> bool:
+        """No more drafting: a refused row, an end drafted, or no room left (max_tokens, n_ctx)."""
+        if self.hazard is not None:
+            return True
+        if self.ids and self.ids[-1] in self.eos_ids and not self.params.ignore_eos:
+            return True
+        return self.position >= self.params.max_tokens or len(self.base) + len(self.ids) >= self.n_ctx
+
+    def wants_row(self) -> bool:
+        """Whether the slot should decode for a next draft (home: up to a window; away: one ahead)."""
+        ahead = len(self.ids) - (self.sent if self.away else 0)
+        return not self.stopped and ahead < self.k
+
+    def ready(self) -> bool:
+        """Home with a window to send (or nothing more to draft: the verifying rung steps alone)."""
+        return not self.away and (len(self.ids) >= self.k or self.stopped)
+
+    def window(self) -> tuple[tuple[int, ...], tuple[torch.Tensor, ...] | None, Hazard | None]:
+        """The drafts to send now (all of them, up to K_MAX) and the hazard after them, if they
+        reach it; marks them sent."""
+        n = min(len(self.ids), K_MAX)
+        self.sent, self.away = n, True
+        q = tuple(self.q[:n]) if self.sampler is not None else None
+        return tuple(self.ids[:n]), q, self.hazard if n == len(self.ids) else None
+
+    def reconcile(self, context: list[int]) -> int:
+        """The machine is back with `context` (prompt + accepted). Keeps the drafts that are still
+        valid, adapts k; returns how many of the evaluated ids (base + ids) the new context shares."""
+        old = self.base + self.ids
+        lcp = 0
+        for a, b in zip(old, context, strict=False):
+            if a != b:
+                break
+            lcp += 1
+        kept = min(lcp, len(self.base) + self.sent) - len(self.base)
+        self.k = next_k(self.k, self.sent, kept)
+        if lcp == len(context):  # the new context is what was drafted: the rest stands as drafts
+            cut = len(context) - len(self.base)
+            self.ids, self.q = self.ids[cut:], self.q[cut:]
+        else:
+            self.ids, self.q = [], []
+            self.hazard = None
+        self.base = list(context)
+        self.away, self.sent = False, 0
+        return lcp

@@ -1,0 +1,206 @@
+"""Verified decoding on the real engines: INT4 drafts on the batched llama.cpp slots, the batched
+fp32 rung decides every token; the answer is fp32's, streamed as it is verified."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from qladder.errors import ConfigError
+from qladder.faults import parse_fault
+from qladder.model import user_prompt_ids
+from qladder.sampling import Draft, Sampler, SamplingParams
+from qladder.serving import ServingConfig, ServingEngine
+from qladder.serving.drafts import K_MAX, K_MIN, Drafts, next_k
+from qladder.types import FinalEvent, FinishReason, TokenEvent
+from qladder.validate.replay import greedy
+
+from .conftest import get_engine
+
+PROMPTS = ["What is the capital of France?", "Who painted the Mona Lisa?", "Name three colors.",
+           "What is 12*7?", "Write a haiku about rain.", "Explain gravity in one sentence."]
+
+
+@pytest.fixture(scope="module")
+def served():
+    se = ServingEngine(ServingConfig(slots=6, allow_faults=True), standby_engines=[get_engine("fp32")])
+    yield se
+    se.close()
+
+
+def _ids(se, text):
+    return user_prompt_ids(se.info.chat_template, text, se.int4.tokenize)
+
+
+def _concurrently(fn, n):
+    out = [None] * n
+    threads = [threading.Thread(target=lambda k=k: out.__setitem__(k, fn(k))) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return out
+
+
+def _until(pred, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"waited {timeout_s:.0f} s for {what}"
+        time.sleep(0.01)
+
+
+# -- the pure parts ------------------------------------------------------------------------------
+def test_window_size_adapts_to_agreement():
+    assert next_k(6, 6, 6) == 8  # a window that stood whole grows
+    assert next_k(K_MAX, K_MAX, K_MAX) == K_MAX
+    assert next_k(8, 8, 3) == 4  # one that did not shrinks to what stood plus one
+    assert next_k(8, 8, 0) == K_MIN
+
+
+def test_reconcile_keeps_the_lookahead_only_when_the_new_context_is_what_was_drafted():
+    d = Drafts(base=[1, 2, 3], n_prompt=2, params=SamplingParams(), eos_ids=frozenset({0}), n_ctx=100)
+    d.ids = [10, 11, 12, 13, 14]
+    ids, _, _ = d.window()
+    assert ids == (10, 11, 12, 13, 14) and d.away and not d.ready()
+    d.ids += [15, 16]  # drafted on while away
+    # every draft stood, and the verifier's own next token is the next draft: 16 stays a draft
+    assert d.reconcile([1, 2, 3, 10, 11, 12, 13, 14, 15]) == 9
+    assert d.ids == [16] and d.base[-1] == 15 and not d.away
+    d.ids += [17, 18]
+    d.window()
+    # the second draft was refused: the verifier's correction 99 ends the agreement
+    assert d.reconcile([1, 2, 3, 10, 11, 12, 13, 14, 15, 16, 99]) == 10
+    assert d.ids == [] and d.base[-1] == 99
+
+
+def test_speculative_sampling_rule_gives_the_verifiers_distribution(served):
+    """Drafts drawn from INT4's distribution q and decided by Sampler.verify against fp32's p are
+    distributed as p: a chi-square test over the tokens p and q give most mass, on the real rows
+    of both rungs for one prompt (temperature 1, top-k 20: they differ where it matters)."""
+    se = served
+    ids = _ids(se, "Tell me a story about a dragon.")
+    q_row = get_engine("int4").open(ids).logits().clone()
+    p_row = get_engine("fp32").open(ids).logits().clone()
+    params = SamplingParams(temperature=1.0, top_k=20, seed=7)
+    verifier, drafter = Sampler(params), Sampler(params, seed_offset=1)
+    p, q = verifier.probs(p_row), drafter.probs(q_row)
+    assert float((p - q).abs().sum()) > 0.05  # a real difference for the rule to correct
+    n = 20000
+    counts = torch.zeros_like(p)
+    stood = 0
+    for _ in range(n):
+        d = drafter.draw(q)
+        t = verifier.verify(p_row, Draft(d, q))
+        counts[t] += 1
+        stood += t == d
+    support = (p > 1e-3).nonzero().flatten()
+    expected = p[support] * n
+    chi2 = float((((counts[support] - expected) ** 2) / expected).sum())
+    # df = |support| - 1 <= 19; the 0.999 quantile of chi-square(19) is 43.8
+    assert chi2 < 43.8, (chi2, len(support))
+    assert float(counts[(p <= 1e-3)].sum()) <= n * 1e-3 * 3
+    assert 0.5 < stood / n < 1.0  # most drafts stand, not all
+
+
+# -- on the serving engine -----------------------------------------------------------------------
+def test_verified_greedy_answers_are_fp32s_and_differ_from_int4s(served):
+    se = served
+    params = SamplingParams(max_tokens=40)
+    differ = 0
+    for text in PROMPTS:
+        ids = _ids(se, text)
+        v = se.generate_sync(se.request(ids, params, verified=True))
+        ref = greedy(get_engine("fp32"), ids, params.max_tokens)
+        assert v.token_ids == ref, text
+        assert set(v.token_rungs) == {"fp32"} and not v.hazards and not v.handoffs
+        assert v.timings["verify_windows"] >= 1 and 0 < v.timings["verify_kept"] <= v.timings["verify_drafts"]
+        bare = se.generate_sync(se.request(ids, params))
+        differ += bare.token_ids != ref
+    assert differ >= 1  # INT4 alone does not give fp32's answer everywhere (France: "L'Étoile, ...")
+
+
+def test_verified_streams_only_verified_tokens_in_order(served):
+    se = served
+    ids = _ids(se, PROMPTS[1])
+    events = list(se.stream_sync(se.request(ids, SamplingParams(max_tokens=32), verified=True)))
+    final = events[-1]
+    assert isinstance(final, FinalEvent)
+    streamed = [t for ev in events if isinstance(ev, TokenEvent) for t in ev.token_ids]
+    rungs = [r for ev in events if isinstance(ev, TokenEvent) for r in ev.rungs]
+    assert streamed == final.result.token_ids and set(rungs) == {"fp32"}
+    assert streamed == greedy(get_engine("fp32"), ids, 32)
+
+
+def test_a_hazard_while_drafting_is_a_rejected_draft_and_a_second_a_handoff(served):
+    """A NaN row on INT4 at step 5 ends that window: fp32 takes the step (a rejected draft, the
+    hazard recorded). The fault stays (every row from step 5 on is NaN): the next draft row is
+    refused too, and the request leaves verified decoding by an ordinary handoff to fp32. The
+    answer is fp32's throughout."""
+    se = served
+    ids = _ids(se, PROMPTS[2])
+    r = se.generate_sync(se.request(ids, SamplingParams(max_tokens=24), verified=True,
+                                    faults=[parse_fault("nan@step=5")]))
+    assert r.token_ids == greedy(get_engine("fp32"), ids, 24)
+    assert [(h.check, h.rung, h.step) for h in r.hazards] == [("nonfinite", "int4", 5), ("nonfinite", "int4", 6)]
+    assert [(h.from_rung, h.to_rung, h.step) for h in r.handoffs] == [("int4", "fp32", 6)]
+    assert set(r.token_rungs) == {"fp32"}
+    assert r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and not r.fallback
+
+
+def test_verified_and_plain_requests_together_and_an_abort_mid_verification(served):
+    """Six at once: three verified (fp32's answers), two plain (INT4's answers, as alone), one
+    verified aborted after its first tokens; afterwards no slot or verifying session is left."""
+    se = served
+    params = SamplingParams(max_tokens=32)
+    ids = [_ids(se, p) for p in PROMPTS]
+    plain_alone = {k: se.generate_sync(se.request(ids[k], params)).token_ids for k in (3, 4)}
+    aborted: list[object] = []
+
+    def run(k):
+        if k in (3, 4):
+            return se.generate_sync(se.request(ids[k], params)).token_ids
+        req = se.request(ids[k], SamplingParams(max_tokens=200, ignore_eos=True) if k == 5 else params,
+                         verified=True)
+        if k != 5:
+            return se.generate_sync(req).token_ids
+        it = se.stream_sync(req)
+        for ev in it:
+            if isinstance(ev, TokenEvent):
+                se.abort(req.request_id)
+            if isinstance(ev, FinalEvent):
+                aborted.append(ev.result)
+        return None
+
+    res = _concurrently(run, 6)
+    for k in (0, 1, 2):
+        assert res[k] == greedy(get_engine("fp32"), ids[k], 32)
+    for k in (3, 4):
+        assert res[k] == plain_alone[k]
+    assert len(aborted) == 1 and aborted[0].finish_reason == FinishReason.ABORT
+    assert len(aborted[0].token_ids) < 200
+    _until(lambda: se.scheduler.slots_in_use == 0 and se.aborts.live == 0, "every slot freed")
+    # the verifying sessions of ended requests are closed at the standby's next turn
+    se.generate_sync(se.request(ids[0], SamplingParams(max_tokens=4), start_rung=1))
+    _until(lambda: not se.standby._kept, "the kept verifying sessions closed")
+
+
+def test_verified_sampled_requests_are_seeded_and_decided_by_fp32(served):
+    se = served
+    ids = _ids(se, "Tell me a story about a dragon.")
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=3)
+    a = se.generate_sync(se.request(ids, params, verified=True))
+    b = se.generate_sync(se.request(ids, params, verified=True))
+    assert a.token_ids == b.token_ids  # the same seed, the same answer
+    assert set(a.token_rungs) == {"fp32"} and a.timings["verify_windows"] >= 1
+
+
+def test_verified_is_refused_where_nothing_can_verify(model_info, settings):
+    se = ServingEngine(ServingConfig(slots=1, standby_rungs=()), model_info, settings, standby_engines=[])
+    try:
+        with pytest.raises(ConfigError, match="verified"):
+            se.generate_sync(se.request([1, 2, 3], verified=True))
+    finally:
+        se.close()

@@ -130,3 +130,47 @@ def test_a_tiny_serving_run_recomputes_from_its_outcomes(tmp_path):
     assert {o.config for o in outs} == {"guarded", "bare", "raw", "guarded_faulted"}
     assert r["figures"]["results"]["all"]["guarded_faulted"]["8"]["faulted"] == 1
     assert all(len(o.token_ids) == 6 for o in outs if o.config in ("bare", "raw") and o.phase != "warmup")
+
+
+def _verified_outcomes(verified_s: float, exact: bool, sampled_shift: bool) -> list[Outcome]:
+    """fp32 alone: 10 tokens a request, 2 s a window at c1 and 0.5 s at c8; verified: `verified_s`;
+    vLLM: 1 s at c8."""
+    outs = [Outcome("bench-verified", "fp32-naive", f"n-qa-{k:03d}", "qa", "normal", phase="reference",
+                    window="reference", token_ids=list(range(100, 110))) for k in range(4)]
+    spans = {"fp32": {1: 2.0, 8: 0.5}, "verified": {1: verified_s, 8: verified_s / 3}, "vllm-fp32": {1: 2.0, 8: 1.0}}
+    for r in range(2):
+        for config, by_c in spans.items():
+            for c, span in by_c.items():
+                for k in range(4):
+                    ids = list(range(100, 110)) if exact or k else [*range(100, 109), 7]
+                    o = Outcome("bench-verified", config, f"n-qa-{k:03d}", "qa", "normal", round=r, phase="greedy",
+                                concurrency=c, window=f"{config}/c{c}/r{r}", start_s=0.0, end_s=span,
+                                latency_ms=span * 1e3, token_ids=ids)
+                    if config == "verified":
+                        o.verify_windows, o.verify_drafts, o.verify_kept = 2, 12, 9
+                    outs.append(o)
+    for config in ("verified", "fp32"):
+        for s in range(200):
+            tok = (s % 4) if config == "fp32" or not sampled_shift else (s % 2)
+            outs.append(Outcome("bench-verified", config, "sampled-000", "chat", "normal", phase="sampled",
+                                concurrency=8, window=f"sampled/{config}", token_ids=[tok, 5, s % 3]))
+    return outs
+
+
+def test_verified_figures_and_check_verified(tmp_path):
+    good = figures(_verified_outcomes(0.5, True, False), "bench-verified")
+    assert good["ratios"]["verified_over_fp32_c1"] == pytest.approx(4.0)
+    assert good["ratios"]["verified_over_vllm_fp32_c8"] == pytest.approx(6.0)
+    assert good["ratios"]["fp32_c8_over_c1"] == pytest.approx(4.0)
+    assert good["exactness"]["share"] == 1.0 and good["acceptance"]["qa"]["acceptance"] == pytest.approx(0.75)
+    assert good["acceptance"]["qa"]["tokens_per_window"] == pytest.approx(5.5)
+    assert all(v["p"] > 0.5 for v in good["sampled"].values())
+    assert good["verdict"] == "pass", [v for v in good["verdicts"] if v["status"] != "pass"]
+    assert _check("check_verified.py", {"figures": good}, tmp_path).returncode == 0
+    for bad in (figures(_verified_outcomes(1.0, True, False), "bench-verified"),  # 2x fp32 at c1: under 2.5
+                figures(_verified_outcomes(0.5, False, False), "bench-verified"),  # one answer differs
+                figures(_verified_outcomes(0.5, True, True), "bench-verified")):  # another distribution
+        assert bad["verdict"] == "fail"
+        res = _check("check_verified.py", {"figures": bad}, tmp_path)
+        assert res.returncode == 1 and "FAIL" in res.stdout
+    assert _check("check_serving.py", {"figures": good}, tmp_path).returncode == 1  # another benchmark's

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from qladder.types import FinishReason, GenerationResult, Hazard
 
 
@@ -54,13 +52,12 @@ class Confirm:
 @dataclass(frozen=True)
 class Drafted:
     """Verified decoding: rung 0 drafted `ids` after the request's context; rung `rung` keeps the
-    longest prefix it agrees with and adds its own next token, in one forward. `q`: for a sampled
-    request, the distribution each draft was drawn from. `hazard`: the drafted row right after
-    `ids` failed the guard (that draft ends there; rung `rung` takes the step)."""
+    longest prefix it agrees with and adds its own next token, in one forward. `hazard`: the
+    drafted row right after `ids` failed the guard (that draft ends there; rung `rung` takes the
+    step)."""
 
     rung: int
     ids: tuple[int, ...]
-    q: tuple[torch.Tensor, ...] | None = None
     hazard: Hazard | None = None
 
 

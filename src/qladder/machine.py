@@ -27,7 +27,7 @@ from qladder.incidents import IncidentSink
 from qladder.policy import Handoff as HandoffAction
 from qladder.policy import LadderConfig, Stop
 from qladder.recorder import Recorder
-from qladder.sampling import Draft, Sampler, TokenLogprob, token_logprob
+from qladder.sampling import Sampler, TokenLogprob, token_logprob
 from qladder.stream import TextStream, TokenBytes
 from qladder.types import (
     FALLBACK_TEXT,
@@ -42,14 +42,13 @@ from qladder.types import (
 
 
 def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
-         native_argmax: Callable[[], int] | None = None, draft: Draft | None = None) -> Action:
+         native_argmax: Callable[[], int] | None = None) -> Action:
     """One step, the same for every driver that holds a row: judge what the engine gave (the
     step deadline, then the guard), then accept a token or act on the hazard. `took_s` is the
     step's time as the driver measured it (0.0 where a watchdog keeps the deadline);
     `native_argmax` is the engine's own greedy token for `out.row` (a driver passes it only for
-    a row that no fault replaced), taken only for a greedy request. `draft`: the token rung 0
-    drafted for this position (verified decoding): the row decides by `Sampler.verify`. A
-    request's injected faults are the driver's: they reach here as the rows they make."""
+    a row that no fault replaced), taken only for a greedy request. A request's injected faults
+    are the driver's: they reach here as the rows they make."""
     name, deadline = m.rungs[m.rung], m.config.guard.step_deadline_s
     if isinstance(out, StepFailed):
         return m.on_hazard(Hazard("engine_error", name, m.step, detail=out.error), None)
@@ -61,7 +60,7 @@ def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
     if hazard is not None:
         return m.on_hazard(hazard, out.row)
     token = native_argmax() if native_argmax is not None and m.params.greedy else None
-    return m.accept_row(out.row, token, draft)
+    return m.accept_row(out.row, token)
 
 
 # What a driver may use of a machine, only to read or call (no driver assigns through `m`):
@@ -93,7 +92,7 @@ class RequestMachine:
         self.emit = emit or (lambda _e: None)
         self.clock = clock
         self.rec = Recorder(request.request_id, incidents if config.record_incidents else None, self.emit, clock)
-        self.sampler = Sampler(request.params)
+        self.sampler = Sampler(request.params, coupled=request.verified)  # see Sampler
         g = config.guard
         self.stream = TextStream(token_bytes, request.params.stop,
                                  g.repetition_max_period if g.check_repetition else 0)
@@ -137,13 +136,10 @@ class RequestMachine:
         if not check:
             self._release()
 
-    def accept_row(self, row: torch.Tensor, token: int | None = None, draft: Draft | None = None) -> Action:
-        """A healthy row: sample it (or take the driver's greedy `token`, or decide on a `draft`),
-        and accept the token."""
-        if draft is not None:
-            token = self.sampler.verify(row, draft)
-        elif token is None or not self.params.greedy:
-            token = self.sampler.sample(row)
+    def accept_row(self, row: torch.Tensor, token: int | None = None) -> Action:
+        """A healthy row: sample it (or take the driver's greedy `token`), and accept the token."""
+        if token is None or not self.params.greedy:
+            token = self.sampler.sample(row, self.step)
         lp = token_logprob(row, int(token), self.params.logprobs or 0) if self.logprobs is not None else None
         return self.accept_token(int(token), lp)
 

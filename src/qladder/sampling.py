@@ -57,24 +57,29 @@ def token_logprob(row: torch.Tensor, token: int, k: int) -> TokenLogprob:
     return TokenLogprob(int(token), float(lp[token]), top)
 
 
-@dataclass(frozen=True)
-class Draft:
-    """A token another rung drafted for this position (verified decoding), and for a sampled
-    request the distribution it was drawn from (`Sampler.probs` of the drafting rung's row)."""
-
-    token: int
-    q: torch.Tensor | None = None  # (V,) probabilities; None for a greedy request
-
-
 class Sampler:
-    """Draws one token id from a (V,) float32 logits row. Never sees a row the guard rejected."""
+    """Draws one token id from a (V,) float32 logits row. Never sees a row the guard rejected.
 
-    def __init__(self, params: SamplingParams, seed_offset: int = 0):
+    `coupled` (verified requests): the draw at answer position `p` is the Gumbel-max of the
+    row, argmax(row / T + g_p) over the tokens top-k and top-p keep, with the noise g_p drawn
+    from a generator seeded by (seed, p) alone. That is a draw from the row's distribution
+    (the Gumbel-max trick), and it depends on nothing but the row, the seed and the position:
+    the rung that drafts (INT4) and the rung that decides (full precision) draw with the same
+    noise, a draft stands when the deciding rung's draw is that token, and the answer is the one
+    the deciding rung alone gives for that seed, whatever was drafted, whatever the windows
+    were and whichever route the request took (drafting, or the full-precision rung alone).
+    The textbook rule (keep the draft with probability min(1, p/q), else draw from the
+    normalised (p - q)+) gives the same distribution and accepts a little more often, but what
+    it draws depends on q, INT4's row, which llama.cpp does not give bit-identically in every
+    batch shape: a seeded answer would change with load."""
+
+    def __init__(self, params: SamplingParams, coupled: bool = False):
         self.params = params
-        self._gen = torch.Generator().manual_seed(params.seed + seed_offset)
+        self.coupled = coupled
+        self._gen = torch.Generator().manual_seed(params.seed)
 
-    def probs(self, row: torch.Tensor) -> torch.Tensor:
-        """The distribution a sampled request draws from: temperature, then top-k, then top-p."""
+    def scores(self, row: torch.Tensor) -> torch.Tensor:
+        """row / temperature, -inf where top-k or top-p drop the token (softmax: the distribution)."""
         p = self.params
         x = row / p.temperature  # (V,)
         if p.top_k and p.top_k < x.numel():
@@ -85,30 +90,20 @@ class Sampler:
             cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
             drop = cum - torch.softmax(sorted_x, dim=-1) >= p.top_p  # keep the first token always
             x = x.scatter(0, idx[drop], float("-inf"))
-        return torch.softmax(x, dim=-1)
+        return x
 
-    def sample(self, row: torch.Tensor) -> int:
+    def sample(self, row: torch.Tensor, position: int = 0) -> int:
+        """The token of answer position `position` (used by a coupled sampler only)."""
         if self.params.greedy:
             return int(row.argmax())
-        return self.draw(self.probs(row))
+        x = self.scores(row)
+        if self.coupled:
+            return int((x + gumbel(self.params.seed, position, x.numel())).argmax())
+        return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=self._gen))
 
-    def draw(self, probs: torch.Tensor) -> int:
-        """One id from a distribution (`probs`), with this sampler's generator."""
-        return int(torch.multinomial(probs, 1, generator=self._gen))
 
-    def verify(self, row: torch.Tensor, draft: Draft) -> int:
-        """The token this row gives when `draft` was proposed for it: greedy, the row's own argmax
-        (the draft stands when it is that token); sampled, speculative sampling's rule (Leviathan
-        et al. 2023; Chen et al. 2023): keep the draft with probability min(1, p/q), else draw
-        from the normalised (p - q)+, so the token is distributed as p, this row's own."""
-        if self.params.greedy or draft.q is None:
-            return int(row.argmax())
-        p, q, d = self.probs(row), draft.q, draft.token
-        u = float(torch.rand((), generator=self._gen))
-        if float(q[d]) > 0.0 and u * float(q[d]) < float(p[d]):
-            return d
-        residual = (p - q).clamp_min(0.0)
-        total = float(residual.sum())
-        if not total > 0.0:  # p == q up to rounding: the draft's rejection had probability ~0
-            residual, total = p, 1.0
-        return int(torch.multinomial(residual / total, 1, generator=self._gen))
+def gumbel(seed: int, position: int, n: int) -> torch.Tensor:
+    """(n,) standard Gumbel noise, a function of (seed, position) alone."""
+    g = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (1 << 63))
+    u = torch.rand(n, generator=g, dtype=torch.float64).clamp_(1e-300, 1.0)
+    return (-torch.log(-torch.log(u))).to(torch.float32)

@@ -4,12 +4,19 @@ bandwidth."""
 from __future__ import annotations
 
 import statistics
+import threading
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from qladder.environment import cpu, versions
+
+if TYPE_CHECKING:
+    from qladder.validate.outcome import Outcome
+
+J = TypeVar("J")
 
 
 def environment(threads: int) -> dict[str, Any]:
@@ -39,3 +46,40 @@ def percentile(xs: list[float], q: float) -> float:
 
     v = pct(xs, q)
     return float("nan") if v is None else v
+
+
+class OutcomeLog:
+    """A load benchmark's outcomes, appended by client threads under one lock; times from one clock."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.t0 = clock()
+        self.outcomes: list[Outcome] = []
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        return self.clock() - self.t0
+
+    def add(self, o: Outcome) -> None:
+        with self._lock:
+            self.outcomes.append(o)
+
+
+def closed_loop(n_clients: int, jobs: Sequence[J], run: Callable[[J], None]) -> None:
+    """`n_clients` threads, each taking the next job when its last one is done, until none is left."""
+    lock = threading.Lock()
+    todo = list(jobs)
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                job = todo.pop(0)
+            run(job)
+
+    threads = [threading.Thread(target=client) for _ in range(n_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

@@ -28,15 +28,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from qladder.benchmarks.common import environment
+from qladder.benchmarks.common import OutcomeLog, closed_loop, environment
 from qladder.config import Settings
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
 from qladder.faults import Fault, parse_fault
@@ -54,48 +52,12 @@ RUN = "bench-serving"
 Job = tuple[Prompt, list[int], Fault | None]
 
 
-class Recorder:
-    """Outcomes of the run, appended by client threads under one lock; times from one clock."""
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self.clock = clock
-        self.t0 = clock()
-        self.outcomes: list[Outcome] = []
-        self._lock = threading.Lock()
-
-    def now(self) -> float:
-        return self.clock() - self.t0
-
-    def add(self, o: Outcome) -> None:
-        with self._lock:
-            self.outcomes.append(o)
-
-
-def _closed_loop(n_clients: int, jobs: list[Job], run: Callable[[Job], None]) -> None:
-    lock = threading.Lock()
-    todo = list(jobs)
-
-    def client() -> None:
-        while True:
-            with lock:
-                if not todo:
-                    return
-                job = todo.pop(0)
-            run(job)
-
-    threads = [threading.Thread(target=client) for _ in range(n_clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-
-
 def _outcome(config: str, window: str, p: Prompt, fault: Fault | None, rnd: int, c: int, phase: str) -> Outcome:
     return Outcome(RUN, config, p.id, p.cls, "normal", fault=str(fault) if fault else None, round=rnd, phase=phase,
                    split=p.split, prompt=str(p.prompt), concurrency=c, window=window)
 
 
-def _serve(se: ServingEngine, params: SamplingParams, rec: Recorder, config: str, window: str, rnd: int, c: int,
+def _serve(se: ServingEngine, params: SamplingParams, rec: OutcomeLog, config: str, window: str, rnd: int, c: int,
            phase: str) -> Callable[[Job], None]:
     def run(job: Job) -> None:
         p, ids, fault = job
@@ -118,7 +80,7 @@ def _serve(se: ServingEngine, params: SamplingParams, rec: Recorder, config: str
     return run
 
 
-def _raw(engine: BatchedLlamaCpp, jobs: list[Job], concurrency: int, max_tokens: int, rec: Recorder, window: str,
+def _raw(engine: BatchedLlamaCpp, jobs: list[Job], concurrency: int, max_tokens: int, rec: OutcomeLog, window: str,
          rnd: int, phase: str) -> None:
     """A batched greedy loop with no scheduler, no guard, no events: the ceiling."""
     waiting = list(range(len(jobs)))
@@ -225,7 +187,7 @@ def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: t
                          info, settings)
     raw = BatchedLlamaCpp(info, n_slots=slots, n_ctx=n_ctx, n_threads=int4_threads, native_dir=None)
     raw.cache_prefix(template_prefix(info, raw.tokenize))  # the same prefill work as the engine's
-    rec = Recorder()
+    rec = OutcomeLog()
     try:
         normal, _ = load_corpora()
         corpus = [p for p in subset(normal, max(1, -(-3 * n_prompts // 8))) if isinstance(p.prompt, str)]
@@ -242,7 +204,7 @@ def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: t
         short = SamplingParams(max_tokens=8, ignore_eos=True)
         warm = sets["all"][:2]
         for name, se in (("guarded", guarded), ("bare", bare)):
-            _closed_loop(2, warm, _serve(se, short, rec, name, f"warmup/{name}", 0, 2, "warmup"))
+            closed_loop(2, warm, _serve(se, short, rec, name, f"warmup/{name}", 0, 2, "warmup"))
         _raw(raw, warm, 2, 8, rec, "warmup/raw", 0, "warmup")
         order = ["guarded", "bare", "raw", "guarded_faulted"]
         k = 0
@@ -256,7 +218,7 @@ def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: t
                         else:
                             se = bare if config == "bare" else guarded
                             todo = faulted[name] if config == "guarded_faulted" else jobs
-                            _closed_loop(c, todo, _serve(se, params, rec, config, window, r, c, name))
+                            closed_loop(c, todo, _serve(se, params, rec, config, window, r, c, name))
                     k += 1
         head = {"benchmark": "serving", "environment": environment(int4_threads),
                 "setup": {"prompt_sets": {n: len(j) for n, j in sets.items()}, "prompt_screen": screened,

@@ -123,6 +123,7 @@ class BatchedLlamaCpp(LlamaVocabMixin):
                                          llama_cpp.ggml_backend_sched_eval_callback)
             params.cb_eval_user_data = ctypes.cast(ctypes.pointer(self._state), ctypes.c_void_p)
         self._ctx = llama_cpp.llama_init_from_model(self.llm._model.model, params)
+        self._threads_now = n_threads
         if not self._ctx:
             raise ModelError(f"llama.cpp could not create a context of {n_slots} x {n_ctx} tokens")
         if self._native is not None:
@@ -176,6 +177,12 @@ class BatchedLlamaCpp(LlamaVocabMixin):
         return self._native is not None
 
     # -- one step ------------------------------------------------------------------------------
+    def set_threads(self, n: int) -> None:
+        """Threads for the next decodes (a lease of the machine's cores: serving/cores.py)."""
+        if n != self._threads_now:
+            self._lib.llama_set_n_threads(self._ctx, n, n)
+            self._threads_now = n
+
     def decode(self, entries: Sequence[Entry], monitor: bool = False, row_stats: bool = False) -> None:
         """One llama_decode over every entry (at most n_batch tokens in all). Afterwards each entry
         that wanted logits has its row (`row(slot)`), its stats when `row_stats`, and, when

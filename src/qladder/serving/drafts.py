@@ -1,8 +1,8 @@
 """Verified decoding, rung 0's half: what an INT4 slot drafts ahead of its request.
 
 A verified request keeps its INT4 slot for its whole life. The slot drafts tokens after the
-request's context (INT4's rows, judged by the guard, sampled as the request samples: greedy, or
-from the request's distribution by a generator of the slot's own); a window of them goes to the
+request's context (INT4's rows, judged by the guard, drawn as the request draws: greedy, or the
+coupled draw of `Sampler` with the request's seed and the draft's position); a window of them goes to the
 verifying rung with the machine (`Drafted`), and while the machine is away the slot drafts on,
 as if every draft of the window stood and the verifying rung's own next token were INT4's next
 draft. When the machine comes back with the verifying rung's tokens, `reconcile` keeps what is
@@ -24,13 +24,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from qladder.sampling import Sampler, SamplingParams
 from qladder.types import Hazard
 
 K_START, K_MIN, K_MAX = 6, 2, 16
 LEAVE_AFTER = 2
+
+
+def should_draft(drafting: int, standby_busy: int, limit: int) -> bool:
+    """Whether a new verified request drafts on INT4, or is answered by the full-precision rung
+    alone (the same answer: greedy, the rung's argmax; sampled, its distribution). Drafting pays
+    while the full-precision rung has little else to do: one forward decides a window, where
+    alone it would decode a token. Under load, the batched rung decodes many requests in one
+    forward anyway, and on a CPU whose INT4 kernels are compute-bound it then outruns INT4's
+    drafts (`qladder bench verified`: on this box drafting wins at 1 request in flight and loses
+    from 2). So: draft while fewer than `limit` requests use the full-precision rung."""
+    return drafting + standby_busy < limit
 
 
 def next_k(k: int, sent: int, kept: int) -> int:
@@ -49,9 +58,8 @@ class Drafts:
     params: SamplingParams
     eos_ids: frozenset[int]
     n_ctx: int
-    sampler: Sampler | None = None  # a sampled request's draft generator (not its machine's)
+    sampler: Sampler | None = None  # a sampled request's coupled sampler (not its machine's: the same draws)
     ids: list[int] = field(default_factory=list)  # drafted after `base`
-    q: list[torch.Tensor] = field(default_factory=list)  # a sampled request's draft distributions
     hazard: Hazard | None = None  # a drafted row the guard refused, right after `ids`
     strikes: int = 0  # drafted rows refused in a row (no draft between them)
     away: bool = False  # the machine is at the verifying rung
@@ -81,13 +89,12 @@ class Drafts:
         """Home with a window to send (or nothing more to draft: the verifying rung steps alone)."""
         return not self.away and (len(self.ids) >= self.k or self.stopped)
 
-    def window(self) -> tuple[tuple[int, ...], tuple[torch.Tensor, ...] | None, Hazard | None]:
-        """The drafts to send now (all of them, up to K_MAX) and the hazard after them, if they
-        reach it; marks them sent."""
-        n = min(len(self.ids), K_MAX)
+    def window(self) -> tuple[tuple[int, ...], Hazard | None]:
+        """The drafts to send now (up to k: the windows do not depend on timing) and the hazard
+        after them, if they reach it; marks them sent."""
+        n = min(len(self.ids), self.k)
         self.sent, self.away = n, True
-        q = tuple(self.q[:n]) if self.sampler is not None else None
-        return tuple(self.ids[:n]), q, self.hazard if n == len(self.ids) else None
+        return tuple(self.ids[:n]), self.hazard if n == len(self.ids) else None
 
     def reconcile(self, context: list[int]) -> int:
         """The machine is back with `context` (prompt + accepted). Keeps the drafts that are still
@@ -101,10 +108,9 @@ class Drafts:
         kept = min(lcp, len(self.base) + self.sent) - len(self.base)
         self.k = next_k(self.k, self.sent, kept)
         if lcp == len(context):  # the new context is what was drafted: the rest stands as drafts
-            cut = len(context) - len(self.base)
-            self.ids, self.q = self.ids[cut:], self.q[cut:]
+            self.ids = self.ids[len(context) - len(self.base):]
         else:
-            self.ids, self.q = [], []
+            self.ids = []
             self.hazard = None
         self.base = list(context)
         self.away, self.sent = False, 0

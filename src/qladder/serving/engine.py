@@ -43,6 +43,8 @@ from qladder.model import ModelInfo, inspect_model, user_prompt_ids
 from qladder.policy import LadderConfig
 from qladder.sampling import SamplingParams
 from qladder.serving.aborts import AbortRegistry
+from qladder.serving.cores import Cores
+from qladder.serving.drafts import should_draft
 from qladder.serving.handoffs import Handoffs
 from qladder.serving.remote import RemoteConfig, RemotePool
 from qladder.serving.scheduler import Int4Scheduler, SchedulerConfig
@@ -64,6 +66,11 @@ class ServingConfig:
     n_ctx: int = 2048  # per slot
     int4_threads: int = 1  # 2 cores: one for the INT4 pool...
     standby_threads: int = 1  # ...one for the standby
+    # Elastic standby: the pools lease the machine's `cores` per compute call (serving/cores.py):
+    # the INT4 pool its `int4_threads`, the standby up to all of them (all while INT4 is idle, the
+    # rest while both work). None: the fixed counts above. (INT4 stays at int4_threads: see
+    # cores.py for why llama.cpp's threads are not made elastic here.)
+    cores: int | None = None
     standby_rungs: tuple[str, ...] = ("fp32",)
     standby_sessions: int = 4  # handoffs stepped at once; more wait in a FIFO queue
     standby_queue: int = 256
@@ -74,6 +81,9 @@ class ServingConfig:
     remote_url: str | None = None  # rung 0 on a llama-server at this URL instead of in-process int4
     standby_url: str | None = None  # the server of a remote standby rung (standby_rungs = ("vllm",))
     remote: RemoteConfig = field(default_factory=RemoteConfig)
+    # Verified requests that draft on INT4 at once (with the standby's handoffs counted in); the
+    # others are answered by the full-precision rung alone (drafts.should_draft).
+    verify_drafting: int = 1
 
 
 def template_prefix(info: ModelInfo, tokenize: Callable[[str, bool], list[int]]) -> list[int]:
@@ -123,8 +133,12 @@ class ServingEngine:
         self.standby_engines = list(standby_engines)
         self.rungs = [self.int4.name, *(e.name for e in self.standby_engines)]
         self.n_ctx = [self.int4.n_ctx, *(e.n_ctx for e in self.standby_engines)]  # per slot, or the server's
+        self.cores = Cores(c.cores) if c.cores is not None else None
         self._guards: dict[object, StepGuard] = {c.ladder.guard: StepGuard(c.ladder.guard, self.info.identity)}
         self.aborts = AbortRegistry()
+        self.draft_limit = c.verify_drafting  # a knob: `qladder bench verified` sets it per window
+        self._drafting: set[str] = set()  # verified requests drafting now, behind _drafting_lock
+        self._drafting_lock = threading.Lock()
         remote: dict[int, RemoteRung] = {0: self.int4} if isinstance(self.int4, LlamaServerRung) else {}
         local: dict[int, Engine] = {}
         for j, r in enumerate(standby_engines, start=1):
@@ -137,7 +151,8 @@ class ServingEngine:
         self.handoffs = Handoffs({})
         self.standby = StandbyPool(local, self.aborts, c.standby_sessions, c.standby_queue,
                                    on_return=self._return, forward=self.handoffs.submit, clock=clock,
-                                   on_checked=self._checked, verify_sessions=c.slots) \
+                                   on_checked=self._checked, verify_sessions=c.slots, cores=self.cores,
+                                   threads=c.cores or c.standby_threads) \
             if local else None
         self.remote = RemotePool(remote, self.aborts, c.remote, forward=self.handoffs.submit, clock=clock) \
             if remote else None
@@ -149,7 +164,7 @@ class ServingEngine:
         else:
             assert isinstance(self.int4, BatchedLlamaCpp)
             self.scheduler = Int4Scheduler(self.int4, self.handoffs if standby_engines else None, self.aborts,
-                                           c.scheduler, clock=clock)
+                                           c.scheduler, clock=clock, cores=self.cores)
 
     def _load_standby(self, rung: str, s: Settings) -> Engine | Remote:
         c = self.config
@@ -207,11 +222,14 @@ class ServingEngine:
         if r.start_rung == 0 and len(self.rungs) > 1 and not self.scheduler.healthy:
             r = replace(r, start_rung=1)  # the INT4 pool is unhealthy (a stall, no probe through yet)
         self.aborts.start(r.request_id)
+        if r.verified and r.start_rung == 0 and not self._drafts(r):
+            r = replace(r, start_rung=1)  # the full-precision rung alone: the same answer, sooner
         observers = tuple(self.observers)
 
         def deliver(ev: Event) -> None:
             if isinstance(ev, FinalEvent):
                 self.aborts.end(r.request_id)
+                self._drafted(r.request_id)
             for observe in observers:
                 try:
                     observe(ev)
@@ -227,7 +245,22 @@ class ServingEngine:
                 self.handoffs.submit(m, MoveTo(r.start_rung, poisoned=False))
         except BaseException:
             self.aborts.end(r.request_id)
+            self._drafted(r.request_id)
             raise
+
+    def _drafts(self, r: Request) -> bool:
+        """Whether this verified request drafts (counted until it ends), or goes to rung 1 alone."""
+        assert self.standby is not None
+        with self._drafting_lock:
+            busy = self.standby.active + self.standby.depth
+            if not should_draft(len(self._drafting), busy, self.draft_limit):
+                return False
+            self._drafting.add(r.request_id)
+            return True
+
+    def _drafted(self, request_id: str) -> None:
+        with self._drafting_lock:
+            self._drafting.discard(request_id)
 
     def _machine(self, r: Request, emit: Callable[[Event], None]) -> RequestMachine:
         ladder = r.ladder or self.config.ladder

@@ -46,6 +46,7 @@ from qladder.health.guard import GuardConfig, StepGuard
 from qladder.machine import RequestMachine, step
 from qladder.sampling import Sampler
 from qladder.serving.aborts import AbortRegistry
+from qladder.serving.cores import Cores
 from qladder.serving.drafts import LEAVE_AFTER, Drafts
 from qladder.serving.handoffs import RungPool
 from qladder.types import FinishReason, Hazard
@@ -100,8 +101,12 @@ class _Flight:
 
 class Int4Scheduler:
     def __init__(self, engine: BatchedLlamaCpp, standby: RungPool | None, aborts: AbortRegistry,
-                 config: SchedulerConfig | None = None, clock: Callable[[], float] = time.perf_counter):
+                 config: SchedulerConfig | None = None, clock: Callable[[], float] = time.perf_counter,
+                 cores: Cores | None = None):
+        """cores: the machine's cores shared with the standby (elastic threads), or None: the
+        engine's own thread count, always."""
         self.engine = engine
+        self.cores = cores
         self.standby = standby
         self.aborts = aborts
         self.config = config or SchedulerConfig()
@@ -238,7 +243,7 @@ class Int4Scheduler:
     def _drafts(self, m: RequestMachine) -> Drafts | None:
         if not m.req.verified:
             return None
-        sampler = None if m.params.greedy else Sampler(m.params, seed_offset=0x5EED)
+        sampler = None if m.params.greedy else Sampler(m.params, coupled=True)
         return Drafts(m.context, len(m.prompt), m.params, m.eos_ids, min(m.n_ctx), sampler)
 
     def _resume(self, m: RequestMachine) -> None:
@@ -374,6 +379,7 @@ class Int4Scheduler:
                 else:  # no native helpers: a hang in Python, still inside the watched window
                     self._arm_python_stall(stall)
         n_tokens = sum(len(e.ids) for e in entries)
+        leased = self._lease()  # before the watched window: waiting for a core is not a stall
         flight = _Flight(self.steps, self.clock(), deadline + cfg.deadline_per_token_s * n_tokens, batch)
         with self._flight_lock:
             self._flight = flight
@@ -385,6 +391,9 @@ class Int4Scheduler:
             self.engine.decode(entries, monitor=monitor, row_stats=row_stats)
         except EngineError as exc:
             error = str(exc)
+        finally:
+            if leased and self.cores is not None:
+                self.cores.release(leased)
         t1 = time.perf_counter()
         self.decode_s += t1 - t0
         with self._flight_lock:
@@ -472,9 +481,7 @@ class Int4Scheduler:
             if d.sampler is None:
                 token = eng.argmax(s.slot) if native else int(out.row.argmax())
             else:
-                q = d.sampler.probs(out.row)
-                d.q.append(q)
-                token = d.sampler.draw(q)
+                token = d.sampler.sample(out.row, pos)
             d.ids.append(token)
             s.feed = [token]
         self._send(s)
@@ -491,8 +498,8 @@ class Int4Scheduler:
         d = s.drafts
         if d is None or not d.ready():
             return
-        ids, q, hazard = d.window()
-        self._to_standby(s.m, Drafted(1, ids, q, hazard))
+        ids, hazard = d.window()
+        self._to_standby(s.m, Drafted(1, ids, hazard))
 
     def _leave(self, s: _Slot, action: Action) -> None:
         """The request leaves the pool: done, or to the standby (its slot freed either way)."""
@@ -511,6 +518,15 @@ class Int4Scheduler:
         except QueueFullError:  # nothing is lost: the request ends with the explicit fallback
             m.finish(FinishReason.DEGRADED, fallback=True)
 
+    def _lease(self) -> int:
+        """Lease cores for one decode (as many as the engine was built for, as the standby leaves
+        them) and set the engine's threads to it; 0 without a shared lease (fixed threads)."""
+        if self.cores is None:
+            return 0
+        n = self.cores.lease(self.engine.n_threads)
+        self.engine.set_threads(n)
+        return n
+
     def _probe(self) -> None:
         """One token on a free slot, under the watchdog: healthy again when it completes in time."""
         self.healthy = False
@@ -518,6 +534,7 @@ class Int4Scheduler:
         if not self._free:
             return
         slot = self._free[0]
+        leased = self._lease()
         flight = _Flight(self.steps, self.clock(), self.config.probe_deadline_s, [])
         with self._flight_lock:
             self._flight = flight
@@ -526,6 +543,9 @@ class Int4Scheduler:
             ok = True
         except EngineError:
             ok = False
+        finally:
+            if leased and self.cores is not None:
+                self.cores.release(leased)
         with self._flight_lock:
             self._flight = None
             ok = ok and not flight.claimed

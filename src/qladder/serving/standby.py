@@ -39,6 +39,7 @@ from qladder.errors import EngineDeadError, EngineError, QueueFullError
 from qladder.machine import RequestMachine, step
 from qladder.serving import verify
 from qladder.serving.aborts import AbortRegistry
+from qladder.serving.cores import Cores
 from qladder.types import FinishReason, Hazard
 
 _log = logging.getLogger("qladder.standby")
@@ -73,7 +74,8 @@ class StandbyPool:
                  forward: Callable[[RequestMachine, Leave], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  on_checked: Callable[[RequestMachine], None] | None = None,
-                 verify_sessions: int = 12, prefill_chunk: int = 256, deadline_per_token_s: float = 0.02):
+                 verify_sessions: int = 12, prefill_chunk: int = 256, deadline_per_token_s: float = 0.02,
+                 cores: Cores | None = None, threads: int = 1):
         """on_return: a policy move back to rung 0. forward: a move to a rung not here (a remote
         one; QueueFullError when its pool is full). on_checked: a verified request's window was
         decided (or it ended): back to rung 0. verify_sessions: verified requests' sessions kept
@@ -88,11 +90,13 @@ class StandbyPool:
         self.on_checked = on_checked
         self.prefill_chunk = prefill_chunk
         self.deadline_per_token_s = deadline_per_token_s
+        self.cores, self.threads = cores, threads  # a lease of up to `threads` cores per forward
         self.clock = clock
         self._inbox: queue.Queue[_Task | None] = queue.Queue(maxsize=max_queue)
         self._waiting: deque[_Task] = deque()
         self._active: list[_Task] = []
         self._kept: dict[str, tuple[RequestMachine, Session]] = {}  # verified requests' sessions
+        self._n_handoffs = 0
         self.waits_ms: deque[float] = deque(maxlen=1024)  # queue wait of recent handoffs
         self.forwards = 0  # batched forwards run
         self.windows = 0  # draft windows decided
@@ -118,7 +122,8 @@ class StandbyPool:
 
     @property
     def active(self) -> int:
-        return sum(t.handoff for t in self._active)
+        """Handoffs open (the worker's count as of its last turn: safe to read from any thread)."""
+        return self._n_handoffs
 
     def close(self) -> None:
         """Stop the worker (requests still open end as aborted); raises EngineDeadError when a bug
@@ -149,12 +154,13 @@ class StandbyPool:
             except queue.Empty:
                 pass
             self._sweep()
-            while self._waiting and self.active < self.max_sessions:
+            while self._waiting and self._handoffs() < self.max_sessions:
                 t = self._waiting.popleft()
                 self.waits_ms.append((self.clock() - t.enqueued) * 1e3)
                 self._active.append(t)
             try:
                 self._turn()
+                self._n_handoffs = self._handoffs()
             except Exception as exc:  # a bug in our code: every request of the turn still gets an
                 _log.exception("the standby failed")  # answer, and close() raises
                 self.bugs.append(exc)
@@ -163,6 +169,9 @@ class StandbyPool:
                     t.m.finish(FinishReason.DEGRADED, fallback=True)
                     self._back(t)
                 self._active.clear()
+
+    def _handoffs(self) -> int:
+        return sum(t.handoff for t in self._active)
 
     def _sweep(self) -> None:
         """Close the kept sessions of verified requests that have ended (anywhere)."""
@@ -314,10 +323,15 @@ class StandbyPool:
                 assert isinstance(t.session, BatchedTorchSession)
                 ids, last = chunks[t]
                 work.append((t.session, ids, t.rows if last else 0))
+            leased = self._lease()
+            t0 = self.clock()  # the lease's wait is not the forward's time
             try:
                 engine.run(work)
             except EngineError as exc:
                 return {t: StepFailed(str(exc)) for t in tasks}
+            finally:
+                if leased and self.cores is not None:
+                    self.cores.release(leased)
             self.forwards += 1
             took = self._took(t0, sum(len(ids) for ids, _ in chunks.values()))
             for s, _, n in work:
@@ -340,6 +354,15 @@ class StandbyPool:
             except EngineError as exc:
                 out[t] = StepFailed(str(exc))
         return out
+
+    def _lease(self) -> int:
+        """Lease cores for one forward (up to `threads`) and set torch's threads to it; 0 without
+        a shared lease (torch's threads as they were set)."""
+        if self.cores is None:
+            return 0
+        n = self.cores.lease(self.threads)
+        torch.set_num_threads(n)
+        return n
 
     def _took(self, t0: float, n_tokens: int) -> float:
         return max(self.clock() - t0 - self.deadline_per_token_s * max(n_tokens - 1, 0), 0.0)

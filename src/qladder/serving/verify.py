@@ -4,8 +4,8 @@ Rung 0 (INT4) drafts tokens after a request's context; the verifying rung (full 
 one forward over the last accepted token and the drafts, which gives its own row at every
 drafted position and one past the last. `decide` walks those rows through the one step every
 driver calls (`machine.step`: the deadline, the guard, then the token): each row's token is the
-verifying rung's own (greedy: its argmax; sampled: speculative sampling's rule,
-`Sampler.verify`), so the answer is the verifying rung's answer whatever was drafted. While
+verifying rung's own (greedy: its argmax; sampled: its coupled draw, `Sampler`), so the answer
+is the verifying rung's answer whatever was drafted. While
 that token equals the draft, the next row stands (its context is the same); at the first
 difference the row's token is the correction and the window ends; when every draft stands, the
 row past the last gives one token more. A draft row that failed rung 0's guard ended the window
@@ -25,7 +25,6 @@ import torch
 from qladder.actions import Action, Continue, Done, Drafted
 from qladder.engines.base import StepOutput
 from qladder.machine import RequestMachine, step
-from qladder.sampling import Draft
 from qladder.types import FinishReason
 
 
@@ -40,12 +39,10 @@ def decide(m: RequestMachine, rows: torch.Tensor, d: Drafted, took_s: float,
     action and how many drafts stood. `output` makes a row into the step's StepOutput (with the
     forward's activation peaks)."""
     for i in range(len(d.ids) + 1):
-        draft = None
-        if i < len(d.ids):
-            draft = Draft(d.ids[i], d.q[i] if d.q is not None else None)
+        draft = d.ids[i] if i < len(d.ids) else None
         n = len(m.accepted)
-        action = step(m, output(rows[i]), took_s if i == 0 else 0.0, draft=draft)
-        stood = draft is not None and (m.accepted[n] == draft.token if len(m.accepted) > n
+        action = step(m, output(rows[i]), took_s if i == 0 else 0.0)
+        stood = draft is not None and (m.accepted[n] == draft if len(m.accepted) > n
                                        else _ended_on(action, draft, m.eos_ids))
         if not isinstance(action, Continue) or not stood:
             kept = i + int(stood)
@@ -54,10 +51,9 @@ def decide(m: RequestMachine, rows: torch.Tensor, d: Drafted, took_s: float,
     raise AssertionError("unreachable: the last row has no draft")
 
 
-def _ended_on(action: Action, draft: Draft, eos_ids: frozenset[int]) -> bool:
+def _ended_on(action: Action, draft: int, eos_ids: frozenset[int]) -> bool:
     """The answer ended at this row on the drafted token itself (an end token both rungs chose)."""
-    return (isinstance(action, Done) and action.result.finish_reason == FinishReason.STOP
-            and draft.token in eos_ids)
+    return isinstance(action, Done) and action.result.finish_reason == FinishReason.STOP and draft in eos_ids
 
 
 def keep(m: RequestMachine) -> int:

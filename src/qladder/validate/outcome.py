@@ -26,6 +26,8 @@ reader needs to recompute each figure of the run's report (`qladder.validate.rec
     concurrency, window, start_s,   load benchmarks: the closed-loop window of the request (its
     end_s, step_ms,                 tok/s = the window's tokens over its span), token intervals, and
     completion_tokens               the answer's length as the server counted it (EOS left out)
+    verify_windows, verify_drafts,  verified decoding: the windows the verifying rung decided, the
+    verify_kept                     INT4 drafts in them, and the drafts that stood
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ class Outcome:
     end_s: float | None = None
     step_ms: list[float] = field(default_factory=list)  # intervals between the answer's tokens
     completion_tokens: int | None = None  # as the server counted them (end-of-sequence left out)
+    # verified decoding: windows of drafts decided, drafts in them, drafts that stood
+    verify_windows: int | None = None
+    verify_drafts: int | None = None
+    verify_kept: int | None = None
 
     # -- what the figures need ------------------------------------------------------------------
     @property

@@ -252,6 +252,10 @@ def figures(outcomes: Sequence[Outcome], mode: str, observations: dict[str, Any]
         return serving_figures(outcomes)
     if mode == "bench-serve":
         return serve_figures(outcomes, observations or {})
+    if mode == "bench-verified":
+        from qladder.validate.verified_figures import verified_figures
+
+        return verified_figures(outcomes)
     t = TARGETS[mode]
     outs = [o for o in outcomes if o.phase != "warmup"]
     slowest = max((o.latency_ms for o in outs), default=0.0)

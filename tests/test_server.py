@@ -83,7 +83,7 @@ def test_a_faulted_stream_is_one_clean_answer_continued_on_fp32(client, live):
     assert again.model_extra["qladder"]["route"] == "quarantine" and again.model_extra["qladder"]["handoffs"] == []
 
 
-def test_verified_precision_streams_fp32s_answer_and_fast_stays_int4s(client):
+def test_verified_precision_streams_fp32s_answer_and_fast_stays_int4s(client, live):
     """"What is the capital of France?": with "qladder": {"precision": "verified"}, the streamed
     answer is the fp32 rung's own greedy answer (...Paris.), every token decided by fp32; without
     it, INT4's (which is not fp32's here)."""
@@ -100,6 +100,10 @@ def test_verified_precision_streams_fp32s_answer_and_fast_stays_int4s(client):
     assert set(fast.model_extra["qladder"]["tokens_per_rung"]) == {"int4"}
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(extra_body={"qladder": {"precision": "exact"}}, **kw)
+    scrape = httpx.get(f"{live[0]}/metrics", timeout=30).text
+    counts = {w: float(line.split()[-1]) for line in scrape.splitlines() for w in ("windows", "drafts", "kept")
+              if line.startswith(f'qladder_verified_total{{what="{w}"}}')}
+    assert counts["windows"] >= 1 and 0 < counts["kept"] <= counts["drafts"]
 
 
 def test_the_input_defence_reports_its_changes_and_incidents_keep_the_sanitized_prompt(client, live):

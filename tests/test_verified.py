@@ -209,21 +209,27 @@ def test_a_seeded_sampled_verified_answer_is_fp32s_own_for_that_seed(served):
 
 
 def test_under_load_verified_requests_are_answered_by_fp32_alone(served):
-    """With one drafting request allowed (the default), a second verified request in flight is
-    answered by the fp32 rung alone: no drafts, no handoff, the same answer as drafting gives."""
+    """With one drafting request allowed (the default): A drafts; B, sent while A is in flight,
+    is answered by the fp32 rung alone from the start; A, at its next window, finds the rung
+    busy and goes on there alone with its verifying session. No drafts for B, no handoff for
+    either, fp32's answers both."""
     se = served
     ids = [_ids(se, PROMPTS[k]) for k in (1, 5)]
     se.draft_limit = 1
+    stopped = se.scheduler.stopped_drafting
     try:
-        res = _concurrently(lambda k: se.generate_sync(se.request(ids[k], SamplingParams(max_tokens=32),
-                                                                  verified=True)), 2)
+        a_req = se.request(ids[0], SamplingParams(max_tokens=40), verified=True)
+        a_events = se.stream_sync(a_req)
+        first = next(ev for ev in a_events if isinstance(ev, TokenEvent))
+        b = se.generate_sync(se.request(ids[1], SamplingParams(max_tokens=40), verified=True))
+        a = next(ev for ev in a_events if isinstance(ev, FinalEvent)).result
     finally:
         se.draft_limit = 8
-    assert sorted("verify_windows" in r.timings for r in res) == [False, True]
-    for k, r in enumerate(res):
-        assert r.token_ids == greedy(get_engine("fp32"), ids[k], 32)
+    assert first.token_ids and a.timings["verify_windows"] >= 1 and "verify_windows" not in b.timings
+    for k, r in enumerate((a, b)):
+        assert r.token_ids == greedy(get_engine("fp32"), ids[k], 40)
         assert set(r.token_rungs) == {"fp32"} and not r.handoffs and not r.hazards
-    assert not se._drafting
+    assert not se._drafting and se.scheduler.stopped_drafting == stopped + 1  # A went on alone
 
 
 def test_verified_is_refused_where_nothing_can_verify(model_info, settings):

@@ -55,6 +55,8 @@ class ServerMetrics:
         self.quarantine_added = Counter("qladder_quarantine_added", "Prompt fingerprints quarantined", registry=r)
         self.rejected = Counter("qladder_rejected", "Requests refused before any token, by reason",
                                 ["reason"], registry=r)
+        self.verify = Counter("qladder_verified", "Verified decoding: windows decided, INT4 drafts in them, "
+                              "drafts that stood (acceptance = kept / drafts)", ["what"], registry=r)
 
     def watch_pools(self, stats: Callable[[], dict[str, float]], pools: dict[str, str]) -> None:
         """Gauges read at scrape time from the engine's stats; `pools` maps pool kind -> name."""
@@ -103,6 +105,9 @@ class ServerMetrics:
             for ms in res.step_ms:
                 self.per_token.observe(ms / 1e3)
             self.finishes.labels(str(res.finish_reason)).inc()
+            for what in ("windows", "drafts", "kept"):
+                if f"verify_{what}" in res.timings:
+                    self.verify.labels(what).inc(res.timings[f"verify_{what}"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

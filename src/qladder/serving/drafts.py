@@ -22,8 +22,12 @@ their arguments; the state is the scheduler thread's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from qladder.actions import StepFailed
+from qladder.engines.base import StepOutput
+from qladder.health.guard import StepGuard
 from qladder.sampling import Sampler, SamplingParams
 from qladder.types import Hazard
 
@@ -79,6 +83,28 @@ class Drafts:
         if self.ids and self.ids[-1] in self.eos_ids and not self.params.ignore_eos:
             return True
         return self.position >= self.params.max_tokens or len(self.base) + len(self.ids) >= self.n_ctx
+
+    def judge(self, out: StepOutput | StepFailed, checker: StepGuard, rung: str,
+              native_argmax: Callable[[], int] | None) -> Hazard | None:
+        """A drafted row: the guard (no repetition check: the verifier judges the answer's loops),
+        then the draft (greedy: the engine's own argmax where it has the row; sampled: the
+        coupled draw at this position). A refused row ends the drafting and is returned."""
+        pos = self.position
+        if isinstance(out, StepFailed):
+            hazard: Hazard | None = Hazard("engine_error", rung, pos, detail=out.error)
+        else:
+            hazard = checker.check(out.row, (self.base + self.ids)[self.n_prompt:], rung, out.peaks,
+                                   out.activation_limit, out.rest_peaks, out.stats, repetition=False)
+        if hazard is not None:
+            self.hazard, self.strikes = hazard, self.strikes + 1
+            return hazard
+        assert isinstance(out, StepOutput)
+        self.strikes = 0
+        if self.sampler is not None:
+            self.ids.append(self.sampler.sample(out.row, pos))
+        else:
+            self.ids.append(native_argmax() if native_argmax is not None else int(out.row.argmax()))
+        return None
 
     def wants_row(self) -> bool:
         """Whether the slot should decode for a next draft (home: up to a window; away: one ahead)."""

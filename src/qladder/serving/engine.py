@@ -165,6 +165,8 @@ class ServingEngine:
             assert isinstance(self.int4, BatchedLlamaCpp)
             self.scheduler = Int4Scheduler(self.int4, self.handoffs if standby_engines else None, self.aborts,
                                            c.scheduler, clock=clock, cores=self.cores)
+            if self.standby is not None:
+                self.scheduler.keep_drafting = self._keep_drafting
 
     def _load_standby(self, rung: str, s: Settings) -> Engine | Remote:
         c = self.config
@@ -257,6 +259,17 @@ class ServingEngine:
                 return False
             self._drafting.add(r.request_id)
             return True
+
+    def _keep_drafting(self, request_id: str) -> bool:
+        """Asked by the scheduler before each window: whether the request still drafts (the same
+        policy, itself not counted); when not, it is no longer counted as drafting."""
+        assert self.standby is not None
+        with self._drafting_lock:
+            others = len(self._drafting - {request_id})
+            if should_draft(others, self.standby.active + self.standby.depth, self.draft_limit):
+                return True
+            self._drafting.discard(request_id)
+            return False
 
     def _drafted(self, request_id: str) -> None:
         with self._drafting_lock:

@@ -107,6 +107,8 @@ class Int4Scheduler:
         engine's own thread count, always."""
         self.engine = engine
         self.cores = cores
+        self.keep_drafting: Callable[[str], bool] | None = None  # set by the serving engine (its policy)
+        self.stopped_drafting = 0  # verified requests that went on at the verifying rung alone
         self.standby = standby
         self.aborts = aborts
         self.config = config or SchedulerConfig()
@@ -421,10 +423,7 @@ class Int4Scheduler:
         return s.drafts.position if s.drafts is not None else s.m.step
 
     def _on_row(self, s: _Slot, error: str | None, monitored: bool) -> None:
-        if s.drafts is not None:
-            self._on_draft(s, s.drafts, error, monitored)
-            return
-        m, eng = s.m, self.engine
+        eng = self.engine
         out: StepOutput | StepFailed
         if error is not None:  # a failed decode: every row of the batch leaves
             out = StepFailed(error)
@@ -435,55 +434,32 @@ class Int4Scheduler:
         native: Callable[[], int] | None = functools.partial(eng.argmax, s.slot)
         if s.faults is not None and isinstance(out, StepOutput):  # test machinery: the row as the faults make it
             try:
-                faulted = s.faults.output(out, m.step)
+                faulted = s.faults.output(out, self._pos(s))
             except EngineError as exc:
                 out, native = StepFailed(str(exc)), None
             else:
                 if faulted is not out:  # a replaced row: the engine's argmax is of the one it replaced
                     out, native = faulted, None
+        if s.drafts is not None:  # a verified request's row: a draft, or a refused one
+            self._on_draft(s, s.drafts, out, native)
+            return
         # The deadline is the watchdog's (took_s 0); greedy on the engine's own row takes its native
         # argmax (first maximum, as torch's), ~25 us less than torch's.
+        m = s.m
         action = step(m, out, 0.0, native)
         if isinstance(action, Continue):
             s.feed = [m.accepted[-1]]
             return
         self._leave(s, action)
 
-    def _on_draft(self, s: _Slot, d: Drafts, error: str | None, monitored: bool) -> None:
-        """A verified request's INT4 row: judged by the guard, it gives the next draft; a row the
-        guard refuses ends the drafting (the verifying rung takes that step)."""
-        eng, pos, name = self.engine, d.position, self.engine.name
-        hazard: Hazard | None = None
-        native = True
-        if error is not None:
-            hazard = Hazard("engine_error", name, pos, detail=error)
-        else:
-            peaks, rest = eng.peaks(s.slot) if monitored else (None, None)
-            out = StepOutput(eng.row(s.slot), eng.row_stats(s.slot), peaks, rest,
-                             eng.activation_limit if monitored else None)
-            if s.faults is not None:  # test machinery: the row as the faults make it
-                try:
-                    faulted = s.faults.output(out, pos)
-                except EngineError as exc:
-                    faulted, hazard = out, Hazard("engine_error", name, pos, detail=str(exc))
-                native = faulted is out
-                out = faulted
-            if hazard is None:
-                hazard = s.checker.check(out.row, (d.base + d.ids)[d.n_prompt:], name, out.peaks,
-                                         out.activation_limit, out.rest_peaks, out.stats, repetition=False)
-        if hazard is not None:
-            d.hazard, d.strikes = hazard, d.strikes + 1
-            if d.strikes >= LEAVE_AFTER and not d.away:  # INT4 keeps failing here: fp32 alone from now
-                self._give_up_drafting(s, hazard)
-                return
-        else:
-            d.strikes = 0
-            if d.sampler is None:
-                token = eng.argmax(s.slot) if native else int(out.row.argmax())
-            else:
-                token = d.sampler.sample(out.row, pos)
-            d.ids.append(token)
-            s.feed = [token]
+    def _on_draft(self, s: _Slot, d: Drafts, out: StepOutput | StepFailed,
+                  native: Callable[[], int] | None) -> None:
+        hazard = d.judge(out, s.checker, self.engine.name, native)
+        if hazard is None:
+            s.feed = [d.ids[-1]]
+        elif d.strikes >= LEAVE_AFTER and not d.away:  # INT4 keeps failing here: fp32 alone from now
+            self._give_up_drafting(s, hazard)
+            return
         self._send(s)
 
     def _give_up_drafting(self, s: _Slot, hazard: Hazard) -> None:
@@ -494,9 +470,16 @@ class Int4Scheduler:
         self._leave(s, s.m.on_hazard(hazard, None))
 
     def _send(self, s: _Slot) -> None:
-        """A verified request whose machine is here and whose window is ready goes to the verifying rung."""
+        """A verified request whose machine is here and whose window is ready goes to the verifying
+        rung; one the engine no longer wants drafting (the rung got busy: `keep_drafting`) goes
+        there to decode alone (no handoff: rung 1 decides its tokens already)."""
         d = s.drafts
         if d is None or not d.ready():
+            return
+        if self.keep_drafting is not None and d.hazard is None and not self.keep_drafting(s.m.request_id):
+            s.drafts = None
+            self.stopped_drafting += 1
+            self._leave(s, MoveTo(1, poisoned=False))
             return
         ids, hazard = d.window()
         self._to_standby(s.m, Drafted(1, ids, hazard))

@@ -262,6 +262,14 @@ class StandbyPool:
                 pass
             m.finish(FinishReason.DEGRADED, fallback=True)  # nothing is lost: the explicit fallback
             return True
+        kept = self._kept.get(m.request_id)
+        if isinstance(action, MoveTo) and kept is not None and kept[0] is m and m.rung == j:
+            # a verified request that stops drafting: its verifying session goes on alone, fed the
+            # context it lacks (one id: the session keeps all but the last between windows)
+            self._kept.pop(m.request_id)
+            t.session, t.handoff = kept[1], True
+            t.rung, t.feed, t.rows, t.opened = j, m.context[kept[1].n_tokens:], 1, True
+            return False
         self._close(t)
         t.handoff = True
         try:

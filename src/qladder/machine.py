@@ -189,10 +189,8 @@ class RequestMachine:
             self._rollback_unreleased(hazard.step)
         elif hazard.check == "diffuse" or self.unchecked:  # suspect, or never checked: roll back what was held
             self._rollback_unreleased()
-        self.unchecked = False
-        self.hazards.append(hazard)
-        self.emit(HazardEvent(self.request_id, hazard))
-        self.streak = 0
+        self.unchecked, self.streak = False, 0
+        self._note(hazard)
         if hazard.check == "repetition" and row is not None and self.rung + 1 < len(self.rungs):
             self.pending_hazard, self.pending_row_argmax = hazard, int(row.argmax())
             return Verify(self.rung + 1)
@@ -238,9 +236,12 @@ class RequestMachine:
         guard refused: that draft ends there, recorded."""
         self.rung = to
         if hazard is not None:
-            self.hazards.append(hazard)
-            self.emit(HazardEvent(self.request_id, hazard))
+            self._note(hazard)
             self.rec.incident(self.req, self.prompt, hazard, f"verify:{self.rungs[to]}")
+
+    def _note(self, hazard: Hazard) -> None:
+        self.hazards.append(hazard)
+        self.emit(HazardEvent(self.request_id, hazard))
 
     # -- endings ---------------------------------------------------------------------------------
     def finish(self, reason: FinishReason, fallback: bool = False) -> GenerationResult:
@@ -255,9 +256,7 @@ class RequestMachine:
             self.stream.keep_one_period(int(h.value))
         self._release(final=True)
         ids = self.stream.final_ids
-        text = self.stream.text
-        if fallback and not ids:
-            text = FALLBACK_TEXT
+        text = FALLBACK_TEXT if fallback and not ids else self.stream.text
         self.rec.total()
         self.rec.flush(None)
         self.done = GenerationResult(text=text, token_ids=list(ids), token_rungs=self.token_rungs[:len(ids)],

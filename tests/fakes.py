@@ -14,6 +14,7 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 
+from qladder.audit import AuditRecord
 from qladder.client import AsyncEvents, Request
 from qladder.errors import ConfigError, QueueFullError, check_prompt_fits
 from qladder.faults import Fault
@@ -69,9 +70,12 @@ class FakeClient:
     def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                 request_id: str | None = None, faults: Sequence[Fault] = (), prompt_text: str | None = None,
                 ladder: LadderConfig | None = None, start_rung: int = 0, flagged: bool = False,
-                verified: bool = False) -> Request:
+                verified: bool = False, prompt_class: str | None = None) -> Request:
         return Request(request_id or uuid.uuid4().hex[:16], tuple(prompt_ids), params or SamplingParams(),
-                       tuple(faults), prompt_text, ladder, start_rung, flagged, verified)
+                       tuple(faults), prompt_text, ladder, start_rung, flagged, verified, prompt_class)
+
+    def add_audit_observer(self, observe: Callable[[AuditRecord], None]) -> None:
+        pass  # the fake audits nothing
 
     def add_observer(self, observe: Callable[[Event], None]) -> None:
         self.observers.append(observe)

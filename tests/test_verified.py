@@ -81,7 +81,7 @@ def test_reconcile_keeps_the_lookahead_only_when_the_new_context_is_what_was_dra
 
 def test_coupled_draws_are_the_rows_distribution_and_agree_across_rungs(served):
     """The coupled draw (Gumbel-max, noise from (seed, position)) of fp32's real row for one
-    prompt is distributed as that row's distribution (chi-square over 20,000 seeds); INT4's draw
+    prompt is distributed as that row's distribution (chi-square over 6,000 seeds); INT4's draw
     with the same noise is the same token most of the time, not always (temperature 1, top-k 20:
     the rows differ where it matters)."""
     se = served
@@ -92,7 +92,7 @@ def test_coupled_draws_are_the_rows_distribution_and_agree_across_rungs(served):
     p = torch.softmax(Sampler(base).scores(p_row), dim=-1)
     q = torch.softmax(Sampler(base).scores(q_row), dim=-1)
     assert float((p - q).abs().sum()) > 0.05
-    n = 20000
+    n = 6000
     counts = torch.zeros_like(p)
     same = 0
     for seed in range(n):
@@ -100,7 +100,8 @@ def test_coupled_draws_are_the_rows_distribution_and_agree_across_rungs(served):
         t = s.sample(p_row, 3)
         counts[t] += 1
         same += s.sample(q_row, 3) == t
-        assert s.sample(p_row, 3) == t  # a function of (row, seed, position) alone
+        if seed < 50:
+            assert s.sample(p_row, 3) == t  # a function of (row, seed, position) alone
     support = (p > 1e-3).nonzero().flatten()
     expected = p[support] * n
     chi2 = float((((counts[support] - expected) ** 2) / expected).sum())

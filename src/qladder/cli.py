@@ -528,6 +528,32 @@ def incidents_list(db: DbOption = None, limit: int = 50, since: SinceOption = No
                    f"{r['action']:<16} prompt {r['prompt_hash']}  req {r['request_id']}")
 
 
+@incidents_app.command("audits")
+def incidents_audits(db: DbOption = None, limit: int = 50, since: SinceOption = None,
+                     as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """The newest drift audits (INT4's agreement with full precision per answer), and per class."""
+    from qladder.incident_replay import parse_since
+
+    try:
+        store = _store(db)
+        rows = store.audits(limit, parse_since(since))
+        store.close()
+    except QladderError as exc:
+        _fail(str(exc))
+        return
+    if as_json:
+        typer.echo(json.dumps(rows, default=str))
+        return
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(r["prompt_class"], []).append(r)
+    for cls, rs in sorted(by.items()):
+        tokens = sum(r["tokens"] for r in rs)
+        agree = sum(r["tokens"] * r["agreement"] for r in rs) / tokens if tokens else float("nan")
+        typer.echo(f"{cls:<9} {len(rs):>5} answers  {tokens:>7} tokens  agreement {agree:.3f}  "
+                   f"diverged {sum(r['first_divergence'] is not None for r in rs)}")
+
+
 @incidents_app.command("show")
 def incidents_show(incident_id: Annotated[int, typer.Argument(help="The incident's id.")], db: DbOption = None) -> None:
     """One incident in full, as JSON."""

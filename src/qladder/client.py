@@ -21,6 +21,7 @@ from qladder.sampling import SamplingParams
 from qladder.types import Event, FinalEvent
 
 if TYPE_CHECKING:
+    from qladder.audit import AuditRecord
     from qladder.faults import Fault
     from qladder.policy import LadderConfig
 
@@ -38,6 +39,7 @@ class Request:
     start_rung: int = 0  # a router's choice: 1.. starts on the standby (a quarantined prompt, an open breaker)
     flagged: bool = False  # the input defence changed the prompt: its answer's first tokens are checked
     verified: bool = False  # verified decoding: rung 0 drafts, rung 1 decides every token (its answer)
+    prompt_class: str | None = None  # chat, qa, code, math, abnormal (qladder.classify): the drift audit's
 
 
 @runtime_checkable
@@ -51,13 +53,17 @@ class EngineClient(Protocol):
     def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                 request_id: str | None = None, faults: Sequence[Fault] = (), prompt_text: str | None = None,
                 ladder: LadderConfig | None = None, start_rung: int = 0, flagged: bool = False,
-                verified: bool = False) -> Request:
+                verified: bool = False, prompt_class: str | None = None) -> Request:
         """A Request for this engine; nothing is submitted yet."""
         ...
 
     def add_observer(self, observe: Callable[[Event], None]) -> None:
         """Call `observe` with every event of every request (on a serving thread; before the first
         submit), whether or not the request's client still listens."""
+        ...
+
+    def add_audit_observer(self, observe: Callable[[AuditRecord], None]) -> None:
+        """Call `observe` with every drift audit's record (qladder.audit), on a serving thread."""
         ...
 
     def stats(self) -> dict[str, float]:

@@ -6,6 +6,9 @@
                                                  one writer thread commits (off the decode loop)
     store.rows(), store.get(id), store.count()   what `qladder incidents list|show|replay` reads
 
+The drift audit's records (qladder.audit: INT4's agreement with full precision per answer) go to
+a table of their own beside them, `audits` (`record_audits`, `audits()`; `qladder incidents audits`).
+
 With `redact`, only the prompt's fingerprint is kept (no text, no token ids): such a row cannot be
 replayed. The fingerprint is the hash of the sanitized, templated token ids (`prompt_hash`).
 """
@@ -24,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from qladder.audit import AuditRecord
 from qladder.types import Hazard
 
 SCHEMA = """
@@ -47,6 +51,19 @@ CREATE TABLE IF NOT EXISTS incidents (
 );
 CREATE INDEX IF NOT EXISTS incidents_prompt ON incidents(prompt_hash);
 CREATE INDEX IF NOT EXISTS incidents_ts ON incidents(ts);
+CREATE TABLE IF NOT EXISTS audits (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    ts REAL NOT NULL,
+    request_id TEXT NOT NULL,
+    prompt_class TEXT NOT NULL,
+    pool TEXT NOT NULL,
+    tokens INTEGER NOT NULL,
+    agreement REAL NOT NULL,
+    first_divergence INTEGER,
+    kl_top5 REAL NOT NULL,
+    fp32_gap REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS audits_ts ON audits(ts);
 """
 
 _log = logging.getLogger("qladder.incidents")
@@ -119,6 +136,21 @@ class IncidentStore:
                 h.check, h.layer, _finite(h.value), _finite(h.threshold), inc.action, inc.handoff_latency_ms,
                 json.dumps(inc.faults), _storable(h.detail))
 
+    def record_audits(self, records: Sequence[AuditRecord]) -> None:
+        rows = [(a.ts, _storable(a.request_id), a.prompt_class, a.pool, a.tokens, a.agreement, a.first_divergence,
+                 _finite(a.kl_top5), _finite(a.fp32_gap)) for a in records]
+        with self._lock:
+            self._db.executemany("INSERT INTO audits (ts, request_id, prompt_class, pool, tokens, agreement,"
+                                 " first_divergence, kl_top5, fp32_gap) VALUES (?,?,?,?,?,?,?,?,?)", rows)
+
+    def audits(self, limit: int = 1000, since: float | None = None) -> list[dict[str, Any]]:
+        """The newest `limit` audit rows (at or after `since`), newest first."""
+        with self._lock:
+            cur = self._db.execute("SELECT * FROM audits WHERE ts >= ? ORDER BY id DESC LIMIT ?",
+                                   (since if since is not None else float("-inf"), limit))
+            names = [c[0] for c in cur.description]
+            return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
     def count(self) -> int:
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM incidents").fetchone()[0])
@@ -172,7 +204,7 @@ class IncidentWriter:
                  on_commit: Callable[[int], None] | None = None):
         self.store = store
         self.on_commit = on_commit  # called with each batch's size after its commit (metrics)
-        self._q: queue.Queue[Incident | None] = queue.Queue(maxsize=max_queue)
+        self._q: queue.Queue[Incident | AuditRecord | None] = queue.Queue(maxsize=max_queue)
         self.committed = 0
         self.dropped = 0
         self._thread = threading.Thread(target=self._run, name="qladder-incidents", daemon=True)
@@ -184,6 +216,14 @@ class IncidentWriter:
         except queue.Full:
             self._lose([inc], "the incident queue is full")
 
+    def audit(self, record: AuditRecord) -> None:
+        """A drift audit's record, enqueued like an incident (written beside them)."""
+        try:
+            self._q.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+            _log.error("the incident queue is full; the audit: %s", json.dumps(record.to_dict(), default=str))
+
     def _run(self) -> None:
         while True:
             first = self._q.get()
@@ -194,7 +234,13 @@ class IncidentWriter:
                 except queue.Empty:
                     break
             stop = None in batch
-            incs = [i for i in batch if i is not None]
+            audits = [a for a in batch if isinstance(a, AuditRecord)]
+            if audits:
+                try:
+                    self.store.record_audits(audits)
+                except Exception:
+                    _log.exception("the incident store failed to keep %d audit(s)", len(audits))
+            incs = [i for i in batch if isinstance(i, Incident)]
             if incs:
                 try:
                     self.store.record_many(incs)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from qladder.actions import Action, Confirm, Continue, Done, Move, MoveTo, StepFailed, Verify
+from qladder.audit import AuditTrail
 from qladder.client import Request
 from qladder.engines.base import StepOutput
 from qladder.health.guard import StepGuard
@@ -80,7 +81,7 @@ class RequestMachine:
     def __init__(self, request: Request, rungs: Sequence[str], n_ctx: Sequence[int], eos_ids: frozenset[int],
                  token_bytes: TokenBytes, config: LadderConfig, guard: StepGuard,
                  incidents: IncidentSink | None = None, emit: Callable[[Event], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, audit: AuditTrail | None = None):
         self.req = request
         self.prompt = list(request.prompt_ids)
         self.params = request.params
@@ -105,6 +106,7 @@ class RequestMachine:
         self.pending_hazard: Hazard | None = None  # the repetition hazard awaiting verification
         self.pending_row_argmax: int | None = None
         self.done: GenerationResult | None = None
+        self.audit: AuditTrail | None = audit  # the drift audit's record of INT4's rows (qladder.audit)
         self.left_at = self.rec.t0  # when the last hazard (or policy move) decided to leave the rung
 
     # -- what drivers read ---------------------------------------------------------------------
@@ -140,6 +142,8 @@ class RequestMachine:
         """A healthy row: sample it (or take the driver's greedy `token`), and accept the token."""
         if token is None or not self.params.greedy:
             token = self.sampler.sample(row, self.step)
+        if self.audit is not None and self.rung == 0:  # a drift audit's: INT4's top 5 here
+            self.audit.add(row)
         lp = token_logprob(row, int(token), self.params.logprobs or 0) if self.logprobs is not None else None
         return self.accept_token(int(token), lp)
 
@@ -259,6 +263,9 @@ class RequestMachine:
         text = FALLBACK_TEXT if fallback and not ids else self.stream.text
         self.rec.total()
         self.rec.flush(None)
+        if self.audit is not None:  # the answer's INT4-written start, to be re-scored in the background
+            self.audit.done(self.prompt, ids[:next((k for k, r in enumerate(self.token_rungs)
+                                                    if r != self.rungs[0]), len(ids))])
         self.done = GenerationResult(text=text, token_ids=list(ids), token_rungs=self.token_rungs[:len(ids)],
                                      finish_reason=reason, prompt_tokens=len(self.prompt),
                                      hazards=list(self.hazards), handoffs=list(self.rec.handoffs),

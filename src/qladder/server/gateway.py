@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qladder import fault_seam
+from qladder.audit import DriftWatch
+from qladder.classify import classify
 from qladder.client import AsyncEvents, EngineClient, Request
 from qladder.errors import Draining, EngineFailed, InputError, UnknownModel, Unsupported
 from qladder.incidents import prompt_hash
@@ -53,6 +55,7 @@ class Prepared:
     faults: tuple[Fault, ...]
     return_token_ids: bool = False  # the answer's ids and rungs in the "qladder" extension
     verified: bool = False  # verified decoding (the request's or the pool's precision)
+    prompt_class: str | None = None  # qladder.classify's
 
 
 class Gateway:
@@ -60,9 +63,11 @@ class Gateway:
                  n_vocab: int, model_name: str, router: Router, breakers: dict[str, Breaker], quarantine: Quarantine,
                  metrics: ServerMetrics, default_max_tokens: int = DEFAULT_MAX_TOKENS, allow_faults: bool = False,
                  standby_sessions: int = 0, control_ids: frozenset[int] = frozenset(),
-                 precision: str = "fast", verifies: bool = False):
+                 precision: str = "fast", verifies: bool = False, drift: DriftWatch | None = None):
         """precision: the INT4 pool's default ("fast" or "verified"); verifies: whether the engine
-        can serve verified requests (an in-process INT4 pool and standby)."""
+        can serve verified requests (an in-process INT4 pool and standby); drift: the audit's
+        per-class agreement (a class under its bound is served verified, unless a request asks
+        for "fast")."""
         self.client = client
         self.preparer = preparer
         self.token_bytes = token_bytes
@@ -78,6 +83,7 @@ class Gateway:
         self.control_ids = control_ids  # the template's tokens: a token-id prompt's defence keeps them
         self.precision = precision
         self.verifies = verifies
+        self.drift = drift
         self.n_ctx = min(client.n_ctx)
         self.draining = False
         self._tok_lock = threading.Lock()  # the vocabulary's tables are built lazily: one user at a time
@@ -100,8 +106,10 @@ class Gateway:
                                                 "(the operator starts it with --allow-faults)")
         return fault_seam.parse(specs)  # test machinery: loaded only for a faulted request
 
-    def _verified(self, body: ChatCompletionRequest | CompletionRequest) -> bool:
+    def _verified(self, body: ChatCompletionRequest | CompletionRequest, prompt_class: str) -> bool:
         asked = body.qladder.precision if body.qladder is not None else None
+        if asked is None and self.verifies and self.drift is not None and self.drift.verify(prompt_class):
+            return True  # the audit finds INT4 drifting on this class: full precision's answers
         verified = (asked or self.precision) == "verified"
         if verified and not self.verifies:
             raise Unsupported("qladder.precision", "verified decoding needs an in-process INT4 pool and an "
@@ -136,8 +144,10 @@ class Gateway:
         with self._tok_lock:
             ids, reports = self.preparer.encode_messages(messages, params.max_tokens)
         self._fits(ids, params)  # the incident store keeps the sanitized prompt (what the engine saw)
+        user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), None)
+        cls = classify(user, any(r.changed for r in reports))
         return Prepared(ids, "\n".join(r.text for r in reports), reports, params, faults, self._return_ids(body),
-                        self._verified(body))
+                        self._verified(body, cls), cls)
 
     def prepare_completion(self, body: CompletionRequest) -> Prepared:
         body.check()
@@ -159,7 +169,8 @@ class Gateway:
                 ids, reports = self.preparer.defend_ids(prompt, self.token_bytes, self.control_ids)
             text = "\n".join(r.text for r in reports) if reports else None
         self._fits(ids, params)
-        return Prepared(ids, text, reports, params, faults, self._return_ids(body), self._verified(body))
+        cls = classify(text, any(r.changed for r in reports))
+        return Prepared(ids, text, reports, params, faults, self._return_ids(body), self._verified(body, cls), cls)
 
     def admit(self, p: Prepared) -> tuple[Request, fmt.Served]:
         """Route and build the engine request (nothing is submitted yet)."""
@@ -174,7 +185,8 @@ class Gateway:
         rid = uuid.uuid4().hex[:24]
         req = self.client.request(p.prompt_ids, p.params, request_id=rid, faults=p.faults,
                                   prompt_text=p.prompt_text, start_rung=route.start_rung,
-                                  flagged=any(r.changed for r in p.reports), verified=p.verified)
+                                  flagged=any(r.changed for r in p.reports), verified=p.verified,
+                                  prompt_class=p.prompt_class)
         with self._routes_lock:
             self._routes[rid] = (route, fp, False)
         self.metrics.routes.labels(route.pool, route.reason.split(":")[0]).inc()

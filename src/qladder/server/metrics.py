@@ -13,6 +13,7 @@ from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from qladder.audit import AuditRecord
 from qladder.server.breaker import MODE_VALUE, Breaker, BreakerMode
 from qladder.server.quarantine import Quarantine
 from qladder.types import Event, FinalEvent, HandoffEvent, HazardEvent, TokenEvent
@@ -22,6 +23,8 @@ def _mode_value(b: Breaker) -> float:
     return float(MODE_VALUE[b.mode])
 
 
+AGREEMENT_BUCKETS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0)
+KL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 TOKEN_BUCKETS_S = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -55,6 +58,15 @@ class ServerMetrics:
         self.quarantine_added = Counter("qladder_quarantine_added", "Prompt fingerprints quarantined", registry=r)
         self.rejected = Counter("qladder_rejected", "Requests refused before any token, by reason",
                                 ["reason"], registry=r)
+        self.audit_agreement = Histogram("qladder_audit_agreement", "Drift audit: INT4's top-1 agreement with "
+                                         "full precision over an answer", ["prompt_class", "pool"],
+                                         buckets=AGREEMENT_BUCKETS, registry=r)
+        self.audit_kl = Histogram("qladder_audit_kl_top5", "Drift audit: mean KL(INT4 || fp32) over INT4's "
+                                  "top 5 tokens, per answer", ["prompt_class", "pool"], buckets=KL_BUCKETS,
+                                  registry=r)
+        self.audit_diverged = Counter("qladder_audit_answers", "Drift audit: answers scored, and whether "
+                                      "INT4 left full precision's argmax anywhere",
+                                      ["prompt_class", "pool", "diverged"], registry=r)
         self.verify = Counter("qladder_verified", "Verified decoding: windows decided, INT4 drafts in them, "
                               "drafts that stood (acceptance = kept / drafts)", ["what"], registry=r)
 
@@ -108,6 +120,12 @@ class ServerMetrics:
             for what in ("windows", "drafts", "kept"):
                 if f"verify_{what}" in res.timings:
                     self.verify.labels(what).inc(res.timings[f"verify_{what}"])
+
+    def observe_audit(self, a: AuditRecord) -> None:
+        """A drift audit's record (the standby's thread)."""
+        self.audit_agreement.labels(a.prompt_class, a.pool).observe(a.agreement)
+        self.audit_kl.labels(a.prompt_class, a.pool).observe(a.kl_top5)
+        self.audit_diverged.labels(a.prompt_class, a.pool, str(a.first_divergence is not None).lower()).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

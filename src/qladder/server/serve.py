@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qladder.audit import DriftWatch
 from qladder.client import EngineClient
 from qladder.config import Settings
 from qladder.engines.llamacpp import LlamaVocab
@@ -60,7 +61,8 @@ def serving_config(t: Topology, settings: Settings) -> ServingConfig:
                          allow_faults=t.server.allow_faults, remote_url=int4.url,
                          standby_url=standby.url if standby else None,
                          remote=RemoteConfig(max_inflight=int4.slots + int4.max_queue
-                                             + (standby.sessions + standby.max_queue if standby else 0)))
+                                             + (standby.sessions + standby.max_queue if standby else 0)),
+                         audit_rate=int4.audit_rate)
 
 
 @dataclass
@@ -92,6 +94,7 @@ def build_server(t: Topology, settings: Settings | None = None, api_keys: Sequen
     writer = IncidentWriter(store, on_commit=metrics.incidents_committed.inc)
     engine = ServingEngine(serving_config(t, settings), model=t.model.path or None, settings=settings,
                            incidents=writer, standby_engines=standby_engines)
+    engine.add_audit_observer(writer.audit)  # audits are stored beside the incidents
     try:
         vocab = LlamaVocab(engine.info)
         gw, app = assemble(engine, engine.info, vocab, t, metrics, api_keys, clock)
@@ -114,7 +117,10 @@ def assemble(client: EngineClient, info: ModelInfo, vocab: LlamaVocab, t: Topolo
     gw = Gateway(client, preparer, vocab.detokenize_bytes, vocab.n_vocab, t.server.model_name, router, breakers,
                  quarantine, metrics, t.server.default_max_tokens, t.server.allow_faults,
                  standby.sessions if standby else 0, vocab.control_ids, t.int4.precision,
-                 client.verifies)
+                 client.verifies, DriftWatch(t.server.verify_below) if t.server.verify_below > 0 else None)
+    if gw.drift is not None:
+        client.add_audit_observer(gw.drift.record)
+    client.add_audit_observer(metrics.observe_audit)
     metrics.watch_pools(client.stats, {"int4": t.int4.name, **({"standby": standby.name} if standby else {})})
     metrics.watch_breakers(breakers)
     metrics.watch_quarantine(quarantine)

@@ -12,6 +12,8 @@
     draft_check = "suspect"        # vLLM above a remote INT4 rung scores an answer's first tokens:
                                    # "suspect" drafts (a flagged input, an unsure rung), "all", "off"
     sanitize = "default"           # input defence preset: default, strict, off
+    verify_below = 0.0             # a prompt class whose audited agreement (last 200 answers, at least
+                                   # 20) falls under this is served verified (0: never)
 
     [model]
     path = ""                      # a Llama-family GGUF; "" = the embedded SmolLM2-135M Q4_1
@@ -25,6 +27,8 @@
     max_queue = 64                 # waiting requests beyond the slots; then 429
     weight = 1.0                   # share of new requests routed here
     handoff_to = "standby"         # the pool that catches this pool's handoffs
+    audit_rate = 0.0               # the drift audit: this share of INT4 answers re-scored by the standby's
+                                   # first rung in the background (agreement by class in /metrics)
     precision = "fast"             # "fast": INT4's answers, guarded; "verified": INT4 drafts and the
                                    # standby's first rung decides every token (its answers, verified
                                    # decoding); a request may ask with "qladder": {"precision": ...}
@@ -92,6 +96,7 @@ class PoolConfig:
     handoff_to: str | None = None
     url: str | None = None  # the server of the pool's remote rung (rungs = ["llama-server"] or ["vllm"])
     precision: str = "fast"  # an INT4 pool's default: "fast" or "verified" (verified decoding)
+    audit_rate: float = 0.0  # an INT4 pool's share of answers re-scored by the drift audit
 
     @property
     def kind(self) -> str:
@@ -110,6 +115,7 @@ class ServerSettings:
     guard: str = "default"
     draft_check: str = "suspect"
     sanitize: str = "default"
+    verify_below: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -289,6 +295,10 @@ def _check_pools(pools: tuple[PoolConfig, ...], errors: list[str]) -> None:
             errors.append(f"{where}: handoff_to names no pool ({p.handoff_to!r}; pools: {', '.join(names)})")
         if p.handoff_to == p.name:
             errors.append(f"{where}: a pool cannot catch its own handoffs")
+        if not 0.0 <= p.audit_rate <= 1.0:
+            errors.append(f"{where}: audit_rate must be in [0, 1], got {p.audit_rate}")
+        elif p.audit_rate > 0 and (p.kind != "int4" or remote):
+            errors.append(f"{where}: audit_rate is an in-process INT4 pool's (its answers are re-scored)")
         if p.precision not in PRECISIONS:
             errors.append(f"{where}: precision must be one of {', '.join(PRECISIONS)}, got {p.precision!r}")
         elif p.precision == "verified" and p.kind != "int4":

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from qladder.actions import MoveTo
+from qladder.audit import AuditRecord, AuditTrail, selected
+from qladder.classify import classify
 from qladder.client import AsyncEvents, Request
 from qladder.config import Settings
 from qladder.engines.base import Engine, check_handoff
@@ -84,6 +86,10 @@ class ServingConfig:
     # Verified requests that draft on INT4 at once (with the standby's handoffs counted in); the
     # others are answered by the full-precision rung alone (drafts.should_draft).
     verify_drafting: int = 1
+    # The drift audit (qladder.audit): this share of INT4 answers re-scored by the standby's
+    # first rung in the background (0: none), at most `audit_queue` waiting.
+    audit_rate: float = 0.0
+    audit_queue: int = 64
 
 
 def template_prefix(info: ModelInfo, tokenize: Callable[[str, bool], list[int]]) -> list[int]:
@@ -136,6 +142,7 @@ class ServingEngine:
         self.cores = Cores(c.cores) if c.cores is not None else None
         self._guards: dict[object, StepGuard] = {c.ladder.guard: StepGuard(c.ladder.guard, self.info.identity)}
         self.aborts = AbortRegistry()
+        self.audit_observers: list[Callable[[AuditRecord], None]] = []
         self.draft_limit = c.verify_drafting  # a knob: `qladder bench verified` sets it per window
         self._drafting: set[str] = set()  # verified requests drafting now, behind _drafting_lock
         self._drafting_lock = threading.Lock()
@@ -152,7 +159,8 @@ class ServingEngine:
         self.standby = StandbyPool(local, self.aborts, c.standby_sessions, c.standby_queue,
                                    on_return=self._return, forward=self.handoffs.submit, clock=clock,
                                    on_checked=self._checked, verify_sessions=c.slots, cores=self.cores,
-                                   threads=c.cores or c.standby_threads) \
+                                   threads=c.cores or c.standby_threads,
+                                   on_audit=self._audited if c.audit_rate > 0 else None, audit_queue=c.audit_queue) \
             if local else None
         self.remote = RemotePool(remote, self.aborts, c.remote, forward=self.handoffs.submit, clock=clock) \
             if remote else None
@@ -186,11 +194,11 @@ class ServingEngine:
     def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                 request_id: str | None = None, faults: Sequence[Fault] = (), prompt_text: str | None = None,
                 ladder: LadderConfig | None = None, start_rung: int = 0, flagged: bool = False,
-                verified: bool = False) -> Request:
+                verified: bool = False, prompt_class: str | None = None) -> Request:
         """A Request with a fresh id (token ids already sanitized and templated)."""
         return Request(request_id or uuid.uuid4().hex[:16], tuple(int(t) for t in prompt_ids),
                        params or SamplingParams(), tuple(faults), prompt_text, ladder, start_rung, flagged,
-                       verified)
+                       verified, prompt_class)
 
     def _check(self, r: Request) -> None:
         if r.faults and not self.config.allow_faults:
@@ -280,8 +288,13 @@ class ServingEngine:
         guard = self._guards.get(ladder.guard)
         if guard is None:  # one StepGuard per guard config, made on the submitting thread
             guard = self._guards.setdefault(ladder.guard, StepGuard(ladder.guard, self.info.identity))
+        audit = None
+        if (self.standby is not None and self.standby.auditor is not None and r.start_rung == 0 and not r.verified
+                and isinstance(self.int4, BatchedLlamaCpp) and selected(r.request_id, self.config.audit_rate)):
+            audit = AuditTrail(r.request_id, r.prompt_class or classify(r.prompt_text), self.int4.name,
+                               self.standby.audit)
         return RequestMachine(r, self.rungs, self.n_ctx, self.int4.eos_ids, self.int4.detokenize_bytes,
-                              ladder, guard, self.incidents, emit, self.clock)
+                              ladder, guard, self.incidents, emit, self.clock, audit)
 
     def _machine_for_test(self, r: Request) -> RequestMachine:
         """A machine as this engine builds them, not submitted anywhere (tests drive it)."""
@@ -352,6 +365,16 @@ class ServingEngine:
     def add_observer(self, observe: Callable[[Event], None]) -> None:
         self.observers.append(observe)
 
+    def add_audit_observer(self, observe: Callable[[AuditRecord], None]) -> None:
+        self.audit_observers.append(observe)
+
+    def _audited(self, record: AuditRecord) -> None:
+        for observe in tuple(self.audit_observers):
+            try:
+                observe(record)
+            except Exception:  # an observer's bug must not stop the audits
+                _log.exception("an audit observer failed on request %s", record.request_id)
+
     def abort(self, request_id: str) -> bool:
         found = self.aborts.abort(request_id)
         if found:
@@ -368,7 +391,15 @@ class ServingEngine:
                 "standby_active": (self.standby.active if self.standby else 0)
                 + (self.remote.standby_active if self.remote else 0), "live": self.aborts.live,
                 # answers whose first tokens the remote standby checked, refused, or could not check
-                **({f"drafts_{k}": v for k, v in self.remote.checks.items()} if self.remote else {})}
+                **({f"drafts_{k}": v for k, v in self.remote.checks.items()} if self.remote else {}),
+                **self._audit_stats()}
+
+    def _audit_stats(self) -> dict[str, float]:
+        a = self.standby.auditor if self.standby is not None else None
+        if a is None:
+            return {}
+        return {"audits_done": a.done, "audits_dropped": a.dropped, "audits_failed": a.failed,
+                "audits_pending": a.pending}
 
     def close(self) -> None:
         """Stop the threads and free the engines; raises EngineDeadError if a serving thread hit

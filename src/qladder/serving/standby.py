@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from qladder.actions import Action, Continue, Done, Drafted, Leave, MoveTo, StepFailed, Verify
+from qladder.audit import AuditJob, AuditRecord
 from qladder.engines.base import Engine, Session, StepOutput
 from qladder.engines.torch_batch import BatchedTorch, BatchedTorchSession
 from qladder.engines.torch_engine import TorchEngine
@@ -39,6 +40,7 @@ from qladder.errors import EngineDeadError, EngineError, QueueFullError
 from qladder.machine import RequestMachine, step
 from qladder.serving import verify
 from qladder.serving.aborts import AbortRegistry
+from qladder.serving.auditor import Auditor
 from qladder.serving.cores import Cores
 from qladder.types import FinishReason, Hazard
 
@@ -46,6 +48,11 @@ _log = logging.getLogger("qladder.standby")
 # What a forward gives a task: its rows, the last row's StepOutput (with the forward's peaks) and
 # the time a deadline sees; or the engine's failure.
 Rows = tuple[torch.Tensor, StepOutput, float] | StepFailed
+class _Wake:
+    """An inbox item that only wakes the worker (a drift audit was queued)."""
+
+
+_WAKE = _Wake()
 
 
 @dataclass(eq=False)  # by identity: a task is a key of the turn's rows
@@ -75,14 +82,15 @@ class StandbyPool:
                  clock: Callable[[], float] = time.perf_counter,
                  on_checked: Callable[[RequestMachine], None] | None = None,
                  verify_sessions: int = 12, prefill_chunk: int = 256, deadline_per_token_s: float = 0.02,
-                 cores: Cores | None = None, threads: int = 1):
+                 cores: Cores | None = None, threads: int = 1,
+                 on_audit: Callable[[AuditRecord], None] | None = None, audit_queue: int = 64):
         """on_return: a policy move back to rung 0. forward: a move to a rung not here (a remote
         one; QueueFullError when its pool is full). on_checked: a verified request's window was
         decided (or it ended): back to rung 0. verify_sessions: verified requests' sessions kept
         at once, beside the handoffs'. A forward's time, less `deadline_per_token_s` for each
         token past the first, is what a step's deadline sees (a context's chunk is not a stall)."""
         self._given = dict(engines)
-        self.engines = {j: batched(e, max_sessions + verify_sessions) for j, e in engines.items()}
+        self.engines = {j: batched(e, max_sessions + verify_sessions + 1) for j, e in engines.items()}
         self.forward = forward
         self.aborts = aborts
         self.max_sessions = max_sessions
@@ -91,8 +99,12 @@ class StandbyPool:
         self.prefill_chunk = prefill_chunk
         self.deadline_per_token_s = deadline_per_token_s
         self.cores, self.threads = cores, threads  # a lease of up to `threads` cores per forward
+        first = self.engines.get(1)
+        # drift audits (qladder.audit) on rung 1 in its batched form, in the turns with nothing else to do
+        self.auditor = Auditor(first, on_audit, max_jobs=audit_queue) \
+            if on_audit is not None and isinstance(first, BatchedTorch) else None
         self.clock = clock
-        self._inbox: queue.Queue[_Task | None] = queue.Queue(maxsize=max_queue)
+        self._inbox: queue.Queue[_Task | _Wake | None] = queue.Queue(maxsize=max_queue)
         self._waiting: deque[_Task] = deque()
         self._active: list[_Task] = []
         self._kept: dict[str, tuple[RequestMachine, Session]] = {}  # verified requests' sessions
@@ -115,6 +127,13 @@ class StandbyPool:
             self._inbox.put_nowait(_Task(m, action, self.clock(), handoff=not isinstance(action, Drafted)))
         except queue.Full:
             raise QueueFullError("the standby's queue is full") from None
+
+    def audit(self, job: AuditJob) -> None:
+        """Queue a drift audit (any thread; a full queue drops its oldest, counted)."""
+        if self.auditor is not None:
+            self.auditor.offer(job)
+            with contextlib.suppress(queue.Full):  # a full inbox wakes the worker anyway
+                self._inbox.put_nowait(_WAKE)
 
     @property
     def depth(self) -> int:
@@ -139,7 +158,7 @@ class StandbyPool:
     # -- the worker thread -----------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            block = not self._active and not self._waiting
+            block = not self._active and not self._waiting and not (self.auditor and self.auditor.pending)
             try:
                 while True:
                     t = self._inbox.get(block=block, timeout=None)
@@ -147,6 +166,8 @@ class StandbyPool:
                     if t is None:
                         self._shutdown()
                         return
+                    if isinstance(t, _Wake):
+                        continue
                     if t.handoff:
                         self._waiting.append(t)
                     else:
@@ -161,6 +182,8 @@ class StandbyPool:
             try:
                 self._turn()
                 self._n_handoffs = self._handoffs()
+                if not self._active and not self._waiting and self.auditor is not None:
+                    self._audit_chunk(self.auditor)
             except Exception as exc:  # a bug in our code: every request of the turn still gets an
                 _log.exception("the standby failed")  # answer, and close() raises
                 self.bugs.append(exc)
@@ -169,6 +192,15 @@ class StandbyPool:
                     t.m.finish(FinishReason.DEGRADED, fallback=True)
                     self._back(t)
                 self._active.clear()
+
+    def _audit_chunk(self, auditor: Auditor) -> None:
+        """One chunk of a drift audit, in a turn with nothing else to do (on the leased cores)."""
+        leased = self._lease()
+        try:
+            auditor.step()
+        finally:
+            if leased and self.cores is not None:
+                self.cores.release(leased)
 
     def _handoffs(self) -> int:
         return sum(t.handoff for t in self._active)
@@ -189,6 +221,8 @@ class StandbyPool:
             with contextlib.suppress(Exception):
                 s.close()
         self._kept.clear()
+        if self.auditor is not None:
+            self.auditor.close()
 
     def _close(self, t: _Task) -> None:
         """Close the task's session, and the request's kept verifying session (it leaves verification)."""

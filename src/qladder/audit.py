@@ -1,0 +1,135 @@
+"""The drift audit: how far INT4's answers are from full precision's, measured in production.
+
+A share of the INT4 answers (`audit_rate`, chosen by a hash of the request id) is re-scored by the
+full-precision rung in the background, off the request's path: the standby evaluates prompt +
+answer in its batched forward (in chunks, in turns it has nothing else to do) and compares, at
+every position of the INT4-written part of the answer, INT4's token with its own row:
+
+    agreement          the share of positions where INT4's token is full precision's argmax
+                       (top-1 agreement, teacher-forced: each position on INT4's own context)
+    first_divergence   the first such position where it is not (None: none in the answer)
+    kl_top5            the mean over positions of KL(INT4 || fp32) over INT4's 5 most likely
+                       tokens, both distributions renormalised over those 5 (an estimate: the
+                       tails are left out; INT4's top 5 are recorded as it decodes)
+    fp32_gap           the mean of (fp32's top logprob - fp32's logprob of INT4's token)
+
+`AuditTrail` is what a request's machine keeps while INT4 decodes (its tokens' top-5 logprobs);
+at the end it hands an `AuditJob` to its sink (the standby's queue). `score` is the pure
+computation on full precision's rows; `DriftWatch` keeps each prompt class's recent agreement
+for a router that sends a class whose agreement falls below a bound to verified decoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+TOP_K = 5
+
+
+def selected(request_id: str, rate: float) -> bool:
+    """Whether a request is audited: a hash of its id under the rate (reproducible, uncorrelated
+    with arrival order)."""
+    if rate <= 0.0:
+        return False
+    h = int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big")
+    return h / 2**64 < rate
+
+
+@dataclass(frozen=True)
+class AuditJob:
+    request_id: str
+    prompt_class: str
+    pool: str
+    prompt_ids: tuple[int, ...]
+    answer_ids: tuple[int, ...]  # the INT4-written part of the answer
+    top: tuple[tuple[tuple[int, float], ...], ...]  # INT4's top-5 (id, logprob) at each of them
+
+
+@dataclass
+class AuditRecord:
+    request_id: str
+    prompt_class: str
+    pool: str
+    tokens: int
+    agreement: float
+    first_divergence: int | None
+    kl_top5: float
+    fp32_gap: float
+    ts: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class AuditTrail:
+    """One audited request's INT4 tokens and their top-5 logprobs, kept by its machine."""
+
+    def __init__(self, request_id: str, prompt_class: str, pool: str, sink: Callable[[AuditJob], None]):
+        self.request_id, self.prompt_class, self.pool, self.sink = request_id, prompt_class, pool, sink
+        self.top: list[tuple[tuple[int, float], ...]] = []
+
+    def add(self, row: torch.Tensor) -> None:
+        """A row INT4 gave and the machine accepted a token from (called before the token joins)."""
+        lp = torch.log_softmax(row.float(), dim=-1)
+        vals, idx = torch.topk(lp, TOP_K)
+        self.top.append(tuple(zip(idx.tolist(), vals.tolist(), strict=True)))
+
+    def done(self, prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> None:
+        """The answer ended: hand its INT4-written part to the sink (nothing to audit: nothing sent)."""
+        n = min(len(self.top), len(answer_ids))
+        if n:
+            self.sink(AuditJob(self.request_id, self.prompt_class, self.pool, tuple(prompt_ids),
+                               tuple(answer_ids[:n]), tuple(self.top[:n])))
+
+
+def score(job: AuditJob, rows: torch.Tensor) -> AuditRecord:
+    """Full precision's rows at the answer's positions ((n, V): row i predicts answer token i)."""
+    n = len(job.answer_ids)
+    logp = torch.log_softmax(rows[:n].float(), dim=-1)
+    tokens = torch.tensor(job.answer_ids)
+    best = logp.argmax(dim=-1)
+    agree = best == tokens
+    wrong = (~agree).nonzero().flatten()
+    gap = logp.gather(1, best.unsqueeze(1)).squeeze(1) - logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    ids = torch.tensor([[t for t, _ in top] for top in job.top])  # (n, 5)
+    q = torch.softmax(torch.tensor([[v for _, v in top] for top in job.top]), dim=-1)
+    p = torch.softmax(logp.gather(1, ids), dim=-1)
+    kl = (q * (q.clamp_min(1e-30).log() - p.clamp_min(1e-30).log())).sum(dim=-1)
+    return AuditRecord(job.request_id, job.prompt_class, job.pool, n, float(agree.float().mean()),
+                       int(wrong[0]) if len(wrong) else None, float(kl.mean()), float(gap.mean()))
+
+
+class DriftWatch:
+    """Each prompt class's agreement over its last `window` audited answers (token-weighted); a
+    class below `bound` (with at least `min_answers` of them) is to be served verified. Any thread
+    may record and ask (one lock)."""
+
+    def __init__(self, bound: float = 0.0, window: int = 200, min_answers: int = 20):
+        self.bound, self.window, self.min_answers = bound, window, min_answers
+        self._recent: dict[str, deque[tuple[int, float]]] = {}
+        self._lock = threading.Lock()
+
+    def record(self, r: AuditRecord) -> None:
+        with self._lock:
+            self._recent.setdefault(r.prompt_class, deque(maxlen=self.window)).append((r.tokens, r.agreement))
+
+    def agreement(self, prompt_class: str) -> float | None:
+        with self._lock:
+            recent = list(self._recent.get(prompt_class, ()))
+        tokens = sum(n for n, _ in recent)
+        return sum(n * a for n, a in recent) / tokens if tokens else None
+
+    def verify(self, prompt_class: str) -> bool:
+        """Whether requests of this class should be verified now."""
+        with self._lock:
+            enough = len(self._recent.get(prompt_class, ())) >= self.min_answers
+        a = self.agreement(prompt_class)
+        return enough and a is not None and a < self.bound

@@ -1,0 +1,99 @@
+"""The standby's drift audits (qladder.audit): jobs queued by finished INT4 answers, run in the
+turns the standby has nothing else to do, one chunk of `chunk` tokens a turn, so a handoff that
+arrives meanwhile waits at most one chunk. Owned by the standby's worker thread; `offer` is the
+only call from other threads (a bounded deque behind a lock: a full queue drops the oldest job,
+counted)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from qladder.audit import AuditJob, AuditRecord, score
+from qladder.engines.torch_batch import BatchedTorch, BatchedTorchSession
+from qladder.errors import EngineError
+
+_log = logging.getLogger("qladder.audit")
+
+
+class Auditor:
+    def __init__(self, engine: BatchedTorch, on_record: Callable[[AuditRecord], None], max_jobs: int = 64,
+                 chunk: int = 64):
+        self.engine, self.on_record, self.chunk = engine, on_record, chunk
+        self._jobs: deque[AuditJob] = deque()
+        self._max = max_jobs
+        self._lock = threading.Lock()
+        self.dropped = 0  # jobs dropped from a full queue
+        self.failed = 0  # jobs whose forward failed
+        self.done = 0
+        self._job: AuditJob | None = None
+        self._session: BatchedTorchSession | None = None
+        self._feed: list[int] = []
+        self._rows: list[torch.Tensor] = []
+
+    # -- any thread ------------------------------------------------------------------------------
+    def offer(self, job: AuditJob) -> None:
+        with self._lock:
+            if len(self._jobs) >= self._max:
+                self._jobs.popleft()
+                self.dropped += 1
+            self._jobs.append(job)
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._jobs) + (self._job is not None)
+
+    # -- the standby's thread --------------------------------------------------------------------
+    def step(self) -> bool:
+        """One chunk of the current job (starting the next when none is current). False: no work."""
+        if self._job is None and not self._start():
+            return False
+        job, s = self._job, self._session
+        assert job is not None and s is not None
+        ids, self._feed = self._feed[: self.chunk], self._feed[self.chunk:]
+        n_rows = min(len(ids), max(0, len(job.answer_ids) - sum(len(r) for r in self._rows)
+                                   - len(self._feed)))
+        try:
+            self.engine.run([(s, ids, n_rows)])
+            if n_rows:
+                self._rows.append(s.rows().clone())
+        except EngineError as exc:
+            _log.warning("audit of request %s failed: %s", job.request_id, exc)
+            self.failed += 1
+            self._end()
+            return True
+        if not self._feed:
+            record = score(job, torch.cat(self._rows))
+            self._end()
+            self.done += 1
+            self.on_record(record)
+        return True
+
+    def _start(self) -> bool:
+        with self._lock:
+            if not self._jobs:
+                return False
+            job = self._jobs.popleft()
+        try:
+            self._session = self.engine.reserve(job.prompt_ids)
+        except EngineError:  # no slot free: try again at the next idle turn
+            with self._lock:
+                self._jobs.appendleft(job)
+            return False
+        self._job = job
+        self._feed = [*self._session.take_pending(), *job.answer_ids[:-1]]
+        self._rows = []
+        return True
+
+    def _end(self) -> None:
+        if self._session is not None:
+            self._session.close()
+        self._job, self._session, self._feed, self._rows = None, None, [], []
+
+    def close(self) -> None:
+        self._end()

@@ -1,0 +1,175 @@
+"""The drift audit's pure parts (selection, scoring, the per-class watch, the prompt classes) and
+the audit run by the standby on the real engines."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from qladder.audit import AuditJob, AuditRecord, DriftWatch, score, selected
+from qladder.classify import classify
+from qladder.validate.corpora import split_of
+
+
+def test_selection_is_a_reproducible_share_of_request_ids():
+    ids = [f"req-{k}" for k in range(20000)]
+    share = sum(selected(i, 0.1) for i in ids) / len(ids)
+    assert 0.09 < share < 0.11
+    assert [selected(i, 0.1) for i in ids[:50]] == [selected(i, 0.1) for i in ids[:50]]
+    assert not any(selected(i, 0.0) for i in ids[:100]) and all(selected(i, 1.0) for i in ids[:100])
+
+
+def _job(answer, top):
+    return AuditJob("r", "qa", "int4", (1, 2, 3), tuple(answer), tuple(top))
+
+
+def test_score_reads_agreement_divergence_kl_and_gap_from_the_rows():
+    v = 10
+    rows = torch.full((3, v), -5.0)
+    rows[0, 4] = 5.0  # fp32 prefers 4, INT4 wrote 4
+    rows[1, 6] = 5.0  # fp32 prefers 6, INT4 wrote 7
+    rows[1, 7] = 4.0
+    rows[2, 2] = 5.0  # fp32 prefers 2, INT4 wrote 2
+    same = tuple((t, math.log(0.2)) for t in range(5))  # INT4's top 5: uniform over 0..4
+    r = score(_job([4, 7, 2], [same, tuple((t, math.log(0.2)) for t in (6, 7, 8, 9, 0)), same]), rows)
+    assert r.tokens == 3 and r.agreement == pytest.approx(2 / 3) and r.first_divergence == 1
+    assert r.fp32_gap == pytest.approx(1.0 / 3, rel=1e-4)  # only position 1: 5 - 4
+    assert r.kl_top5 > 0
+    exact = score(_job([4, 6, 2], [same] * 3), rows)
+    assert exact.agreement == 1.0 and exact.first_divergence is None and exact.fp32_gap == 0.0
+
+
+def test_drift_watch_sends_a_class_to_verified_below_its_bound_only_with_enough_answers():
+    w = DriftWatch(bound=0.8, window=10, min_answers=3)
+    for a in (0.5, 0.6):
+        w.record(AuditRecord("r", "math", "int4", 10, a, 0, 0.1, 0.2))
+    assert not w.verify("math")  # two answers: not enough to judge
+    w.record(AuditRecord("r", "math", "int4", 20, 0.7, 0, 0.1, 0.2))
+    assert w.agreement("math") == pytest.approx((5 + 6 + 14) / 40) and w.verify("math")
+    for _ in range(10):
+        w.record(AuditRecord("r", "math", "int4", 10, 0.95, None, 0.0, 0.0))
+    assert not w.verify("math") and not w.verify("chat") and w.agreement("chat") is None
+
+
+def test_prompt_classes_on_the_held_out_half_of_the_corpus():
+    """The rules were written from the train half of the labelled normal corpus; on the test half
+    they must get at least 95% right (measured: 110 of 112). A changed prompt is abnormal."""
+    rows = [json.loads(line) for line in (Path(__file__).resolve().parents[1] / "corpora/normal.jsonl")
+            .read_text(encoding="utf-8").splitlines()]
+    test = [r for r in rows if split_of(r["id"]) == "test"]
+    right = sum(classify(r["prompt"]) == r["class"] for r in test)
+    assert right / len(test) >= 0.95, right
+    assert classify("What is 2+2?", changed=True) == "abnormal" and classify(None) == "chat"
+
+
+# -- on the real engines ---------------------------------------------------------------------------
+def _until(pred, what: str, timeout_s: float = 120.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"waited {timeout_s:.0f} s for {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_the_standby_audits_int4_answers_as_a_teacher_forced_fp32_forward_would():
+    """audit_rate 1: every INT4 answer is re-scored in the background; each record's agreement
+    and first divergence equal fp32's own teacher-forced argmax over prompt + answer (the
+    one-sequence engine, one forward); France's INT4 answer leaves fp32's argmax at token 0."""
+    import threading
+
+    from qladder.model import user_prompt_ids
+    from qladder.sampling import SamplingParams
+    from qladder.serving import ServingConfig, ServingEngine
+
+    from .conftest import get_engine
+
+    fp32 = get_engine("fp32")
+    se = ServingEngine(ServingConfig(slots=4, audit_rate=1.0), standby_engines=[fp32])
+    records, lock = [], threading.Lock()
+
+    def keep(r):
+        with lock:
+            records.append(r)
+
+    se.add_audit_observer(keep)
+    try:
+        texts = ["What is the capital of France?", "Name three colors.", "What is 48 * 93?",
+                 "Write a haiku about rain."]
+        results = {}
+        for t in texts:
+            ids = user_prompt_ids(se.info.chat_template, t, se.int4.tokenize)
+            req = se.request(ids, SamplingParams(max_tokens=24), prompt_text=t)
+            results[req.request_id] = (t, ids, se.generate_sync(req))
+        _until(lambda: len(records) == len(texts), "an audit of every answer")
+        assert se.stats()["audits_done"] == len(texts) and se.stats()["audits_dropped"] == 0
+        for a in records:
+            t, ids, r = results[a.request_id]
+            assert a.tokens == len(r.token_ids) and set(r.token_rungs) == {"int4"}
+            with torch.inference_mode():
+                logits = fp32.model(input_ids=torch.tensor([ids + r.token_ids]), use_cache=False).logits[0]
+            best = logits[len(ids) - 1: len(ids) + len(r.token_ids) - 1].argmax(dim=-1)
+            agree = best == torch.tensor(r.token_ids)
+            assert a.agreement == pytest.approx(float(agree.float().mean())), t
+            wrong = (~agree).nonzero().flatten()
+            assert a.first_divergence == (int(wrong[0]) if len(wrong) else None), t
+            assert a.kl_top5 >= 0 and a.fp32_gap >= 0 and a.pool == "int4"
+        assert {a.prompt_class for a in records} == {"qa", "math", "chat"}
+        france = next(a for a in records if results[a.request_id][0].startswith("What is the capital"))
+        assert france.first_divergence == 0 and france.agreement < 1.0  # "L'Étoile..." against "The ..."
+    finally:
+        se.close()
+
+
+
+@pytest.mark.slow
+def test_qladder_serve_audits_stores_and_exports_by_class_and_sends_a_drifting_class_to_verified(tmp_path):
+    """Through `qladder serve` (openai client): with audit_rate 1 every INT4 answer is audited,
+    stored beside the incidents and counted by class in /metrics; with verify_below above any
+    agreement, a class with 20 audited answers is served verified from then on (fp32's tokens),
+    another class still INT4's; `qladder incidents audits` reads the store."""
+    import dataclasses
+
+    import httpx
+    import openai
+    from typer.testing import CliRunner
+
+    from qladder.cli import app
+    from qladder.server.serve import build_server
+    from qladder.server.topology import Topology, default_pools
+
+    from .conftest import get_engine, live_app
+
+    db = tmp_path / "incidents.sqlite3"
+    t = Topology()
+    t = dataclasses.replace(t, server=dataclasses.replace(t.server, incidents=str(db), verify_below=1.01),
+                            pools=(dataclasses.replace(default_pools()[0], audit_rate=1.0), default_pools()[1]))
+    server = build_server(t, standby_engines=[get_engine("fp32")])
+    try:
+        with live_app(server.app) as v1, openai.OpenAI(base_url=v1, api_key="none", max_retries=0,
+                                                       timeout=120) as client:
+            def ask(text):
+                r = client.chat.completions.create(model=t.server.model_name, max_tokens=6, temperature=0,
+                                                   messages=[{"role": "user", "content": text}])
+                return set(r.model_extra["qladder"]["tokens_per_rung"])
+
+            for k in range(20):
+                assert ask(f"What is {k + 11} * {k + 3}?") == {"int4"}
+            _until(lambda: server.engine.stats()["audits_done"] >= 20, "20 audits")
+            assert ask("What is 17 * 29?") == {"fp32"}  # math now drifts past the bound: verified
+            assert ask("Write a haiku about rain.") == {"int4"}  # chat: not enough audits to judge
+            scrape = httpx.get(v1.removesuffix("/v1") + "/metrics", timeout=30).text
+            count = next(float(line.split()[-1]) for line in scrape.splitlines()
+                         if line.startswith("qladder_audit_agreement_count") and 'prompt_class="math"' in line)
+            assert count >= 20
+        _until(lambda: len(server.store.audits()) >= 21, "the audits stored")
+        assert {r["prompt_class"] for r in server.store.audits()} >= {"math"}
+    finally:
+        server.close()
+    out = CliRunner().invoke(app, ["incidents", "audits", "--db", str(db)])
+    assert out.exit_code == 0 and "math" in out.stdout and "agreement" in out.stdout

@@ -132,12 +132,13 @@ def test_a_tiny_serving_run_recomputes_from_its_outcomes(tmp_path):
     assert all(len(o.token_ids) == 6 for o in outs if o.config in ("bare", "raw") and o.phase != "warmup")
 
 
-def _verified_outcomes(verified_s: float, exact: bool, sampled_shift: bool) -> list[Outcome]:
+def _verified_outcomes(verified_s: float, exact: bool, sampled_shift: bool, audit_s: float = 0.404) -> list[Outcome]:
     """fp32 alone: 10 tokens a request, 2 s a window at c1 and 0.5 s at c8; verified: `verified_s`;
-    vLLM: 1 s at c8."""
+    vLLM: 1 s at c8; INT4 0.4 s at c8, with the audit `audit_s`."""
     outs = [Outcome("bench-verified", "fp32-naive", f"n-qa-{k:03d}", "qa", "normal", phase="reference",
                     window="reference", token_ids=list(range(100, 110))) for k in range(4)]
-    spans = {"fp32": {1: 2.0, 8: 0.5}, "verified": {1: verified_s, 8: verified_s / 3}, "vllm-fp32": {1: 2.0, 8: 1.0}}
+    spans = {"fp32": {1: 2.0, 8: 0.5}, "verified": {1: verified_s, 8: verified_s / 3}, "vllm-fp32": {1: 2.0, 8: 1.0},
+             "int4": {1: 1.0, 8: 0.4}, "int4-audit": {1: 1.0, 8: audit_s}}
     for r in range(2):
         for config, by_c in spans.items():
             for c, span in by_c.items():
@@ -169,7 +170,8 @@ def test_verified_figures_and_check_verified(tmp_path):
     assert _check("check_verified.py", {"figures": good}, tmp_path).returncode == 0
     for bad in (figures(_verified_outcomes(1.0, True, False), "bench-verified"),  # 2x fp32 at c1: under 2.5
                 figures(_verified_outcomes(0.5, False, False), "bench-verified"),  # one answer differs
-                figures(_verified_outcomes(0.5, True, True), "bench-verified")):  # another distribution
+                figures(_verified_outcomes(0.5, True, True), "bench-verified"),  # another distribution
+                figures(_verified_outcomes(0.5, True, False, audit_s=0.44), "bench-verified")):  # audit costs 9%
         assert bad["verdict"] == "fail"
         res = _check("check_verified.py", {"figures": bad}, tmp_path)
         assert res.returncode == 1 and "FAIL" in res.stdout

@@ -13,7 +13,9 @@ class of the normal corpus, closed-loop clients at each concurrency, through:
     fp32         the same engine's batched fp32 rung alone (requests start on it): torch on both
                  cores (INT4 idle): full-precision answers without drafts
     int4         the same engine's INT4 answers (llama.cpp 1 thread: llama.cpp is not elastic,
-                 see serving/cores.py), for reading: no verdict rests on it
+                 see serving/cores.py), no drift audit
+    int4-audit   the same with the drift audit at `audit_rate` (0.1): the audit's cost is
+                 1 - its tok/s over int4's (the audits run on the standby when it is idle)
     vllm-fp32    vLLM's CPU server on the same fp32 weights (OMP_NUM_THREADS = 2, its own process),
                  the peer a user would pick for full-precision answers (its answers are vLLM's
                  fp32 numerics: compared for reading only)
@@ -57,6 +59,7 @@ Job = tuple[Prompt, list[int], int]  # prompt, ids, seed
 SAMPLED_PROMPT = "Tell me a story about a dragon."
 SAMPLED = SamplingParams(max_tokens=3, temperature=1.0, top_k=20)
 THREADS = 2  # the cores every configuration gets
+AUDIT_RATE = 0.1
 
 
 def _outcome(config: str, window: str, p: Prompt, rnd: int, c: int, phase: str) -> Outcome:
@@ -135,7 +138,10 @@ def run_verified_bench(per_class: int = 4, max_tokens: int = 64, concurrency: tu
     fp32 = load_engine("fp32", info, settings)
     torch.set_num_threads(1)
     se = ServingEngine(ServingConfig(slots=slots, n_ctx=2048, int4_threads=1, standby_threads=1, cores=THREADS,
-                                     standby_sessions=slots), info, settings, standby_engines=[fp32])
+                                     standby_sessions=slots, audit_rate=AUDIT_RATE, audit_queue=256),
+                       info, settings, standby_engines=[fp32])
+    audits: list[dict[str, Any]] = []
+    se.add_audit_observer(lambda a: audits.append(a.to_dict()))
     log = OutcomeLog()
     peer: VllmServer | None = None
     try:
@@ -154,11 +160,12 @@ def run_verified_bench(per_class: int = 4, max_tokens: int = 64, concurrency: tu
             if out_dir:
                 out_dir.mkdir(parents=True, exist_ok=True)
             peer.start()
-        configs = ["verified", "verified-drafting", "fp32", "int4", *(["vllm-fp32"] if peer else [])]
+        configs = ["verified", "verified-drafting", "fp32", "int4", "int4-audit", *(["vllm-fp32"] if peer else [])]
 
         def window_of(config: str, todo: list[Job], c: int, window: str, rnd: int, phase: str,
                       par: SamplingParams) -> None:
             se.draft_limit = slots if config == "verified-drafting" else 1
+            se.audit_rate = AUDIT_RATE if config == "int4-audit" else 0.0
             if config == "vllm-fp32":
                 assert peer is not None
                 closed_loop(c, todo, _vllm_run(peer.base_url, par, log, window, rnd, c, phase))
@@ -198,7 +205,8 @@ def run_verified_bench(per_class: int = 4, max_tokens: int = 64, concurrency: tu
                           "warm_up": "2 prompts x 8 tokens per configuration (written, not counted)",
                           "order": "each round: every concurrency level, the configurations rotated within each",
                           "clients": "closed loop, one thread per client",
-                          "audit": "not measured here (the drift audit is not built yet)"}}
+                          "audit": {"rate": AUDIT_RATE, "queue": 256,
+                                    "records": audits, "engine": se.stats()}}}
     finally:
         if peer is not None:
             peer.stop()

@@ -144,6 +144,7 @@ class ServingEngine:
         self.aborts = AbortRegistry()
         self.audit_observers: list[Callable[[AuditRecord], None]] = []
         self.draft_limit = c.verify_drafting  # a knob: `qladder bench verified` sets it per window
+        self.audit_rate = c.audit_rate  # the same (0 switches audits off; > 0 needs c.audit_rate > 0)
         self._drafting: set[str] = set()  # verified requests drafting now, behind _drafting_lock
         self._drafting_lock = threading.Lock()
         remote: dict[int, RemoteRung] = {0: self.int4} if isinstance(self.int4, LlamaServerRung) else {}
@@ -290,7 +291,7 @@ class ServingEngine:
             guard = self._guards.setdefault(ladder.guard, StepGuard(ladder.guard, self.info.identity))
         audit = None
         if (self.standby is not None and self.standby.auditor is not None and r.start_rung == 0 and not r.verified
-                and isinstance(self.int4, BatchedLlamaCpp) and selected(r.request_id, self.config.audit_rate)):
+                and isinstance(self.int4, BatchedLlamaCpp) and selected(r.request_id, self.audit_rate)):
             audit = AuditTrail(r.request_id, r.prompt_class or classify(r.prompt_text), self.int4.name,
                                self.standby.audit)
         return RequestMachine(r, self.rungs, self.n_ctx, self.int4.eos_ids, self.int4.detokenize_bytes,

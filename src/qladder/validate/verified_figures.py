@@ -5,7 +5,8 @@
                                    request counts as the slowest), TTFT, per-token gaps
     ratios                         verified over fp32 alone at c1 and c8, over vLLM's fp32 at c1 and
                                    c8, fp32's c8 over its c1; verified-drafting's beside (every
-                                   request drafting: the mechanism's own numbers, no verdict)
+                                   request drafting: the mechanism's own numbers, no verdict); the
+                                   drift audit's cost: 1 - int4-audit's tok/s over int4's at c8
     exactness                      greedy answers of both verified configurations token-identical to
                                    the reference (fp32's naive greedy loop on the same ids)
     acceptance                     per prompt class: drafts that stood / drafts, and the tokens a
@@ -30,7 +31,7 @@ from qladder.percentiles import ratio
 from qladder.validate.outcome import Outcome
 
 TARGETS = {"verified_over_fp32_c1": 2.5, "verified_over_vllm_fp32_c8": 1.0, "fp32_c8_over_c1": 3.0,
-           "exactness": 1.0, "sampled_min_p": 0.001}
+           "exactness": 1.0, "sampled_min_p": 0.001, "audit_cost_c8": 0.03}
 
 
 def chi_square_two_sample(a: Sequence[int], b: Sequence[int], min_count: int = 5) -> dict[str, Any]:
@@ -77,7 +78,8 @@ def verified_figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
               "verified_c8_over_c1": ratio(tok("verified", "8"), tok("verified", "1")),
               "verified_over_int4_c1": ratio(tok("verified", "1"), tok("int4", "1")),
               "drafting_over_fp32_c1": ratio(tok("verified-drafting", "1"), tok("fp32", "1")),
-              "drafting_over_fp32_c8": ratio(tok("verified-drafting", "8"), tok("fp32", "8"))}
+              "drafting_over_fp32_c8": ratio(tok("verified-drafting", "8"), tok("fp32", "8")),
+              "int4_audit_over_int4_c8": ratio(tok("int4-audit", "8"), tok("int4", "8"))}
     ref = {o.prompt_id: o.token_ids for o in outcomes if o.phase == "reference"}
     verified = [o for o in greedy if o.config in ("verified", "verified-drafting")]
     same = [o for o in verified if o.ok and o.token_ids == ref.get(o.prompt_id)]
@@ -106,6 +108,8 @@ def verified_figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
                                                   [o.token_ids[pos] for o in sf if len(o.token_ids) > pos])
     min_p = min((v["p"] for v in sampled.values()), default=None)
     t = TARGETS
+    kept_share = ratios["int4_audit_over_int4_c8"]
+    audit_cost = None if kept_share is None else 1.0 - kept_share
     five_xx = sum(o.five_xx for o in greedy)
     verdicts = [
         _verdict("verified / fp32 alone, tok/s at c1", ratios["verified_over_fp32_c1"], t["verified_over_fp32_c1"],
@@ -119,6 +123,8 @@ def verified_figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
                  lambda v: v >= t["exactness"], f"{len(same)} of {len(verified)}"),
         _verdict("sampled: smallest p of the per-position chi-square tests, verified vs fp32", min_p,
                  t["sampled_min_p"], lambda v: v >= t["sampled_min_p"], f"{len(sv)} and {len(sf)} answers"),
+        _verdict("drift audit at rate 0.1: INT4 tok/s lost at c8", audit_cost, t["audit_cost_c8"],
+                 lambda v: v <= t["audit_cost_c8"], f"int4-audit / int4 = {ratios['int4_audit_over_int4_c8']}"),
         _verdict("requests without an answer (5xx)", five_xx, 0, lambda v: v == 0),
     ]
     return {"mode": "bench-verified", "targets": dict(TARGETS), "results": results, "ratios": ratios,

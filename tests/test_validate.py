@@ -544,14 +544,22 @@ def test_validate_end_to_end_writes_outcomes_results_and_report(tmp_path):
                          fault_names=("nan_logits", "zero_logits_prefill"), prompts_per_fault=1, rounds=1, warmup=1,
                          reference_prompts=2, sweep_xs=(1.0, 3.0), sweep_prompts=1, sweep_tokens=2, level_prompts=1,
                          level_rounds=1, level_tokens=3, monitor_rounds=1, monitor_tokens=2, n_ctx=512,
-                         replay_jobs=3, replay_max_tokens=2)
+                         replay_jobs=3, replay_max_tokens=2, precision_per_class=1, precision_abnormal=1,
+                         precision_known=2, precision_w4a16=1)
     r = validate(cfg, tmp_path, show_progress=False)
     for name in ("results.json", "boundaries.json", "report.md", "report.html", "outcomes.jsonl", "incidents.sqlite3"):
         assert (tmp_path / name).is_file(), name
     assert recompute.main([str(tmp_path)]) == 0
     outs = read_jsonl(tmp_path / "outcomes.jsonl")
-    assert {o.config for o in outs} == {"bare", "bare_aa", "guarded"}
-    assert {o.phase for o in outs} == {"warmup", "normal", "abnormal", "faulted"}
+    assert {o.config for o in outs if o.phase != "precision"} == {"bare", "bare_aa", "guarded"}
+    assert {o.phase for o in outs} == {"warmup", "normal", "abnormal", "faulted", "precision"}
+    table = r["figures"]["precision"]
+    assert set(table) == {"int4", "guarded", "w4a16", "verified", "fp32"}
+    assert table["fp32"]["classes"]["all"]["identical_share"] == 1.0  # the reference itself
+    assert table["verified"]["classes"]["all"]["identical_share"] == 1.0  # verified decoding: fp32's answers
+    assert table["verified"]["classes"]["all"]["answers"] == 7 and table["int4"]["classes"]["known"]["known_asked"] == 2
+    assert all(m["tok_s"] and m["tok_s"] > 0 for m in table.values())
+    assert table["w4a16"]["classes"]["all"]["answers"] == 1  # fp16 on a CPU: the first prompt only
     faulted = [o for o in outs if o.phase == "faulted"]
     assert {(o.fault, o.fault_set, o.split) for o in faulted} == {("nan_logits", "train", "train"),
                                                                    ("zero_logits_prefill", "test", "test")}
@@ -560,7 +568,7 @@ def test_validate_end_to_end_writes_outcomes_results_and_report(tmp_path):
         assert f["crafted"][split]["guarded"]["garbage_net"] == 0 and f["crafted"][split]["guarded"]["five_xx"] == 0
         assert f["crafted"][split]["bare"]["garbage"] >= 1
         assert f["quality"][split]["share"] == 1.0
-    assert all(o.verdict.get("scored") for o in outs if o.phase != "warmup" and o.ok and o.token_ids)
+    assert all(o.verdict.get("scored") for o in outs if o.phase not in ("warmup", "precision") and o.ok and o.token_ids)
     assert all(o.fp32_identical is not None for o in outs if o.population == "abnormal" and o.ok)
     b = json.loads((tmp_path / "boundaries.json").read_text())
     assert b["precision"]["boundary"]["w4a16"]["first_nonfinite_x"] == 3.0
@@ -568,6 +576,7 @@ def test_validate_end_to_end_writes_outcomes_results_and_report(tmp_path):
     assert set(r["environment"]["versions"]) >= {"torch", "transformers", "llama_cpp_python", "gguf"}
     html = (tmp_path / "report.html").read_text()
     assert "<table>" in html and html.count("data:image/png;base64") == 5 and "Verdict" in html
+    assert "Precision boundary" in html
 
 
 @pytest.mark.slow
@@ -608,3 +617,24 @@ def test_a_real_guard_with_no_rung_above_gives_up_and_the_table_says_so():
     failed = {v["name"] for v in f["verdicts"] if v["status"] == "fail"}
     assert {"train: guarded fallback answers", "test: answered clean, guarded minus bare"} <= failed
     assert f["verdict"] == "fail"
+
+
+def test_precision_table_scores_known_answers_as_words_and_finds_the_first_divergence():
+    from qladder.validate.precision_table import KNOWN, first_divergence, known_correct, known_prompts, table
+
+    assert known_correct("known-000", "The capital of France is Paris.")
+    assert not known_correct("known-000", "A Parisian café.") and not known_correct("known-000", "Lyon")
+    assert known_correct("known-011", "12 * 7 = 84") and not known_correct("known-011", "12*7 = 841")
+    assert first_divergence([1, 2, 3], [1, 2, 4]) == 2 and first_divergence([1, 2], [1, 2, 3]) == 2
+    assert first_divergence([5], [5]) is None
+    assert len(known_prompts()) == len(KNOWN) and known_prompts(3)[2].id == "known-002"
+    outs = []
+    for mode, ids in (("fp32", [1, 2, 3]), ("int4", [1, 9, 3])):
+        o = Outcome("t", mode, "known-000", "known", "precision", phase="precision", token_ids=ids,
+                    latency_ms=1000.0, text="Paris" if mode == "fp32" else "Lyon")
+        o.fp32_identical, o.fp32_first_divergence = mode == "fp32", None if mode == "fp32" else 1
+        o.fp32_top1_agreement, o.known_correct = 1.0 if mode == "fp32" else 2 / 3, mode == "fp32"
+        outs.append(o)
+    t = table(outs)
+    assert t["fp32"]["classes"]["known"]["known_right"] == 1 and t["int4"]["classes"]["known"]["known_right"] == 0
+    assert t["int4"]["classes"]["all"]["first_divergence_median"] == 1 and t["int4"]["tok_s"] == 3.0

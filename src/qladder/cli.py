@@ -267,6 +267,13 @@ def _verdicts(results: dict[str, object], out: Path, check: bool) -> None:
 
     f = results["figures"]
     assert isinstance(f, dict)
+    if f.get("precision"):
+        from qladder.validate.report import precision_table
+
+        head, rows = precision_table(f)
+        typer.echo("precision boundary (no fault; identical to fp32 k/n, top-1 agreement, median first divergence):")
+        for row in [head, *rows]:
+            typer.echo("  " + " | ".join(row))
     print_verdicts(f)
     typer.echo(f"report:  {out / 'report.html'}")
     if check and f["verdict"] != "pass":

@@ -77,7 +77,7 @@ def _engine_run(se: ServingEngine, params: SamplingParams, log: OutcomeLog, conf
         try:
             par = dataclasses.replace(params, seed=seed)
             r = se.generate_sync(se.request(ids, par, verified=config.startswith("verified"),
-                                            start_rung=1 if config.startswith("fp32") else 0))
+                                            start_rung=1 if config.startswith("fp32") else 0, prompt_class=p.cls))
             o.token_ids, o.rungs, o.text = list(r.token_ids), list(r.token_rungs), r.text
             o.finish_reason, o.fallback = str(r.finish_reason), r.fallback
             o.hazards, o.handoff_ms = [h.check for h in r.hazards], [h.latency_ms for h in r.handoffs]

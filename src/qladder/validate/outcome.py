@@ -75,6 +75,9 @@ class Outcome:
     handoff_ms: list[float] = field(default_factory=list)
     fp32_identical: bool | None = None
     fp32_continuation_identical: bool | None = None
+    fp32_first_divergence: int | None = None  # the precision table's: the first position off fp32's answer
+    fp32_top1_agreement: float | None = None  # ... the share of positions where the token is fp32's argmax
+    known_correct: bool | None = None  # ... a known-answer question answered right
     verdict: dict[str, Any] = field(default_factory=dict)
     # load benchmarks: the closed-loop window a request ran in, and when (seconds from the run's start)
     concurrency: int | None = None

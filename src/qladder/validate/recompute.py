@@ -257,7 +257,7 @@ def figures(outcomes: Sequence[Outcome], mode: str, observations: dict[str, Any]
 
         return verified_figures(outcomes)
     t = TARGETS[mode]
-    outs = [o for o in outcomes if o.phase != "warmup"]
+    outs = [o for o in outcomes if o.phase not in ("warmup", "precision")]
     slowest = max((o.latency_ms for o in outs), default=0.0)
     configs = sorted({o.config for o in outs})
     crafted = [o for o in outs if o.population == "abnormal"]
@@ -300,6 +300,9 @@ def figures(outcomes: Sequence[Outcome], mode: str, observations: dict[str, Any]
                                 for c in configs}
     f["fp32_identical_normal"] = {c: _identical([o for o in normal if o.config == c]) for c in configs}
     f["judge"] = judge_summary(outs)
+    from qladder.validate.precision_table import table
+
+    f["precision"] = table(outcomes)  # for reading: no verdict rests on it
     f["verdicts"] = verdicts(f, t)
     f["verdict"] = "pass" if all(v["status"] == "pass" for v in f["verdicts"]) else "fail"
     return f

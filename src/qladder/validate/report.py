@@ -164,11 +164,38 @@ def judge_text(f: dict[str, Any]) -> str:
             f"{j['token_ids_retokenized']}. The fallback is its own column and never counts as clean.")
 
 
+PRECISION_CLASSES = ("chat", "qa", "code", "math", "abnormal", "known")
+
+
+def precision_table(f: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The precision boundary (figures' `precision`): per mode and class, answers identical to
+    fp32's (k/n), top-1 agreement with fp32 (teacher-forced), the median first divergence; the
+    known-answer questions right; tok/s."""
+    head = ["mode", "tok/s", *PRECISION_CLASSES, "known answers right"]
+    rows = []
+    for mode, m in f.get("precision", {}).items():
+        cells = []
+        for cls in PRECISION_CLASSES:
+            c = m["classes"].get(cls)
+            cells.append("-" if c is None else f"{c['identical_to_fp32']}/{c['answers']}, top-1 "
+                         f"{_f(c['top1_agreement'], '{:.2f}')}, div@{_f(c['first_divergence_median'], '{:.0f}')}")
+        k = m["classes"].get("known", {})
+        right = f"{k['known_right']}/{k['known_asked']}" if k.get("known_asked") else "-"
+        rows.append([mode, _f(m["tok_s"]), *cells, right])
+    return head, rows
+
+
 def common_blocks(r: dict[str, Any], images: dict[str, str | None], labels: tuple[str, str],
                   side_labels: dict[str, str]) -> list[Block]:
     f = r["figures"]
     out: list[Block] = [
         ("h2", f"Verdict: {f['verdict'].upper()}"), ("table", verdict_table(f)),
+        *([("h2", "Precision boundary: answers against full precision's, no fault"),
+           ("p", "The same prompt ids through each mode, greedy, one at a time: answers identical to fp32's "
+                 "greedy answer (k/n), top-1 agreement with fp32 on the answer's own context, the median first "
+                 "divergence (div@: among answers that differ), known-answer questions right, tok/s. For reading: "
+                 "no verdict rests on it."),
+           ("table", precision_table(f))] if f.get("precision") else []),
         ("h2", "Crafted prompts (abnormal, with and without a fault), per half"),
         ("p", "train: the fault models and prompts the guard's bounds and the calibration scripts were tuned on "
               "(in-sample); test: held-out fault models (other tensors, rows, factors, glitch tokens, steps) on the "

@@ -39,6 +39,7 @@ from qladder.validate.boundaries import LEVELS
 from qladder.validate.corpora import Prompt, load_corpora, subset
 from qladder.validate.fault_models import FAULT_SETS, FaultModel, assign, by_name
 from qladder.validate.outcome import Outcome
+from qladder.validate.precision_table import MODES, Runner, known_prompts, run_table
 from qladder.validate.replay import RUN, Bare, Guarded, greedy
 
 if TYPE_CHECKING:
@@ -85,13 +86,20 @@ class ValidateConfig:
     replay_max_tokens: int | None = 16  # cap on the fp32 tokens of a replayed handoff
     seed: int = 0
     corpus_dir: Path | None = None
+    # the precision table (validate/precision_table.py): normal prompts per class, abnormal prompts,
+    # known-answer questions (None: all of them), through int4, guarded, w4a16, verified and fp32
+    precision_per_class: int = 4
+    precision_abnormal: int = 8
+    precision_known: int | None = None
+    precision_w4a16: int | None = 12  # W4A16 answers only the first N normal/known prompts (fp16 on a CPU is slow)
 
     @classmethod
     def quick_preset(cls, **kw: Any) -> ValidateConfig:
         base = cls(quick=True, max_tokens=24, normal_per_class=3, abnormal_per_class=QUICK_ABNORMAL,
                    prompts_per_fault=1, rounds=2, warmup=2, reference_prompts=8, sweep_prompts=1,
                    sweep_tokens=8, level_prompts=3, level_rounds=2, level_tokens=12, n_ctx=512,
-                   replay_jobs=8, replay_max_tokens=4)
+                   replay_jobs=8, replay_max_tokens=4, precision_per_class=1, precision_abnormal=2,
+                   precision_known=8, precision_w4a16=2)
         return dataclasses.replace(base, **kw)
 
     def to_dict(self) -> dict[str, Any]:
@@ -161,7 +169,14 @@ class Run:
         n_levels = min(c.level_prompts, len(self.normal))
         levels = n_levels * c.level_rounds * len(LEVELS) + min(2, n_levels) * c.monitor_rounds * 2
         return (3 + 3 * c.warmup + 3 * len(self.normal) * c.rounds + 2 * len(self.abnormal) + 2 * n_fault
-                + 3 + sweep + levels + len(c.replay_utilizations) + 1)
+                + 3 + sweep + levels + len(c.replay_utilizations) + 1 + len(MODES) * len(self.precision_set()))
+
+    def precision_set(self) -> list[Prompt]:
+        c = self.cfg
+        normal = subset(self.normal, c.precision_per_class)
+        abnormal = [p for p in self.abnormal if p.cls != "over_long"][: c.precision_abnormal]
+        abnormal = [Prompt(p.id, "abnormal", p.prompt) for p in abnormal]
+        return [*normal, *abnormal, *known_prompts(c.precision_known)]
 
     def reference_set(self) -> list[Prompt]:
         n = self.cfg.reference_prompts
@@ -317,6 +332,46 @@ def replay(run: Run, progress: Progress) -> None:
     run.times["faulted_s"] = time.perf_counter() - t
 
 
+def precision(run: Run, progress: Progress) -> None:
+    """The precision table's answers (validate/precision_table.py): every prompt's ids from the
+    guarded configuration's input defence, through the five modes, one request at a time."""
+    from qladder.sampling import SamplingParams
+    from qladder.validate.replay import _fill
+
+    progress.phase("precision table (int4, guarded, w4a16, verified, fp32)")
+    e, c = run.engines, run.cfg
+    params = SamplingParams(max_tokens=c.max_tokens, seed=c.seed)
+    bare, guarded = run.configs["bare"], run.configs["guarded"]
+    assert isinstance(guarded, Guarded)
+
+    def served(se: Any, verified: bool = False) -> Runner:
+        def go(ids: list[int], o: Outcome) -> list[int]:
+            _fill(o, se.generate_sync(se.request(ids, params, verified=verified)))
+            return o.token_ids
+        return go
+
+    def alone(engine: Any) -> Runner:
+        def go(ids: list[int], o: Outcome) -> list[int]:
+            answer = greedy(engine, ids, c.max_tokens)
+            o.text, o.rungs, o.finish_reason = engine.detokenize(answer), [engine.name] * len(answer), "stop"
+            return answer
+        return go
+
+    runners = {"int4": served(bare.se), "guarded": served(guarded.se), "verified": served(guarded.se, True),
+               "w4a16": alone(e["w4a16"]), "fp32": alone(e["fp32"])}
+    prompts = []
+    for p in run.precision_set():
+        ids, _, _ = guarded.q.prepare(p.prompt, c.max_tokens)
+        prompts.append((p, ids))
+    t = time.perf_counter()
+    w4a16 = [p.id for p, _ in prompts if p.cls != "abnormal"][: c.precision_w4a16]
+    with paused_gc():
+        outs = run_table(prompts, runners, e["fp32"], RUN, progress.tick, only={"w4a16": set(w4a16)})
+    run.outcomes += outs
+    run.ids += [ids for p, ids in prompts for m in MODES if m != "w4a16" or p.id in w4a16]
+    run.times["precision_table_s"] = time.perf_counter() - t
+
+
 def counted(run: Run) -> list[tuple[Outcome, list[int]]]:
     return [(o, ids) for o, ids in zip(run.outcomes, run.ids, strict=True) if o.phase != "warmup"]
 
@@ -331,8 +386,8 @@ def judge_all(run: Run, progress: Progress) -> None:
     cache: dict[tuple[tuple[int, ...], tuple[int, ...]], float | None] = {}
     t = time.perf_counter()
     for o, ids in zip(run.outcomes, run.ids, strict=True):
-        if not o.ok or not o.token_ids or o.fallback or o.phase == "warmup":
-            o.judge()
+        if not o.ok or not o.token_ids or o.fallback or o.phase in ("warmup", "precision"):
+            o.judge()  # the precision table's answers are compared with fp32's, not judged
             continue
         key = (tuple(ids), tuple(o.token_ids))
         if key not in cache:
@@ -366,7 +421,7 @@ def references(run: Run, progress: Progress) -> None:
 
     t = time.perf_counter()
     for o, ids in counted(run):
-        if not o.ok or o.fallback or not ids:
+        if not o.ok or o.fallback or not ids or o.phase == "precision":  # (the table has its own)
             continue
         if o.population == "abnormal" or o.garbage or o.prompt_id in refs:
             o.fp32_identical = same_answer(o.token_ids, ref(ids, c.max_tokens), finish=o.finish_reason)
@@ -498,6 +553,7 @@ def validate(cfg: ValidateConfig, out_dir: Path, show_progress: bool = True,
                                           "error": getattr(int4, "monitor_error", None)}
         build_configs(run, store)
         replay(run, progress)
+        precision(run, progress)
         for se in run.served:  # the standby's fp32 engine is the references' now
             se.close()
         run.served.clear()

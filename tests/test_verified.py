@@ -114,7 +114,7 @@ def test_coupled_draws_are_the_rows_distribution_and_agree_across_rungs(served):
 # -- on the serving engine -----------------------------------------------------------------------
 def test_verified_greedy_answers_are_fp32s_and_differ_from_int4s(served):
     se = served
-    params = SamplingParams(max_tokens=40)
+    params = SamplingParams(max_tokens=32)
     differ = 0
     for text in PROMPTS:
         ids = _ids(se, text)
@@ -240,3 +240,71 @@ def test_verified_is_refused_where_nothing_can_verify(model_info, settings):
             se.generate_sync(se.request([1, 2, 3], verified=True))
     finally:
         se.close()
+
+
+def test_a_first_window_that_crosses_a_prefill_chunk_is_decided_whole(served):
+    """The first window evaluates the whole context and the drafts, in chunks of 256 ids: with 253
+    context ids and 6 drafts the last chunk must still hold the window's 7 rows."""
+    se = served
+    words = "one two three four five six seven eight nine ten " * 40
+    ids = _ids(se, "Repeat after me: " + words)
+    ids = ids[:240] + _ids(se, "Now say hi.")[-13:]  # a chat prompt's end, 253 ids in all
+    assert len(ids) == 253
+    r = se.generate_sync(se.request(ids, SamplingParams(max_tokens=12), verified=True))
+    assert r.token_ids == greedy(get_engine("fp32"), ids, 12)
+    assert r.timings["verify_windows"] >= 1 and not r.hazards
+
+
+def test_an_int4_stall_while_drafting_hands_a_verified_request_to_fp32(served):
+    """A draft decode that hangs (stall at draft 2, past a 0.5 s deadline): the watchdog hands the
+    request to fp32 (a deadline hazard on int4, a handoff), which answers it: fp32's answer."""
+    from qladder.health.guard import GUARD_PRESETS
+    from qladder.policy import LadderConfig
+
+    se = served
+    ids = _ids(se, PROMPTS[2])
+    ladder = LadderConfig(guard=dataclasses.replace(GUARD_PRESETS["default"], step_deadline_s=0.5))
+    r = se.generate_sync(se.request(ids, SamplingParams(max_tokens=16), verified=True, ladder=ladder,
+                                    faults=[parse_fault("stall@step=2,s=3")]))
+    assert r.token_ids == greedy(get_engine("fp32"), ids, 16)
+    assert [(h.check, h.rung) for h in r.hazards] == [("deadline", "int4")]
+    assert [(h.from_rung, h.to_rung) for h in r.handoffs] == [("int4", "fp32")]
+    _until(lambda: se.scheduler.healthy, "the int4 pool's probe")
+
+
+def test_a_failed_forward_in_a_chunked_handoff_ends_the_request(served, monkeypatch):
+    """The standby's batched forward fails on the first chunk of a long context: the request ends
+    (no rung above fp32: the fallback) instead of waiting forever on the rest of its context."""
+    from qladder.errors import EngineError
+
+    se = served
+    engine = se.standby.engines[1]
+    real = type(engine).run
+    calls = []
+
+    def failing(self, work):
+        calls.append(len(work))
+        if len(calls) == 1:
+            raise EngineError("injected: the forward failed")
+        return real(self, work)
+
+    monkeypatch.setattr(type(engine), "run", failing)
+    ids = _ids(se, "Repeat after me: " + "one two three four five six seven eight nine ten " * 40)
+    assert len(ids) > 256
+    r = se.generate_sync(se.request(ids, SamplingParams(max_tokens=8), start_rung=1), timeout_s=60)
+    assert r.finish_reason == FinishReason.DEGRADED and [h.check for h in r.hazards] == ["engine_error"]
+
+
+def test_a_verified_request_never_returns_to_int4_alone(served):
+    """A policy that returns to rung 0 after 3 healthy tokens (return_after) does not apply to a
+    verified request: its answer stays fp32's, drafted throughout, and no slot is left."""
+    from qladder.policy import LadderConfig, LadderPolicy
+
+    se = served
+    ids = _ids(se, PROMPTS[4])
+    ladder = LadderConfig(policy=LadderPolicy(return_after=3))
+    r = se.generate_sync(se.request(ids, SamplingParams(max_tokens=24), verified=True, ladder=ladder))
+    assert r.token_ids == greedy(get_engine("fp32"), ids, 24) and set(r.token_rungs) == {"fp32"}
+    assert not r.handoffs and r.timings["verify_windows"] >= 2
+    _until(lambda: se.scheduler.slots_in_use == 0 and se.aborts.live == 0, "every slot freed")
+    assert not se._drafting

@@ -166,7 +166,7 @@ class RequestMachine:
         if self.step >= self.params.max_tokens or len(self.context) >= self.n_ctx[self.rung]:
             return self._end(FinishReason.LENGTH)
         action = self.config.policy.on_token(self.rung, self.streak, len(self.rec.handoffs))
-        if isinstance(action, HandoffAction):
+        if isinstance(action, HandoffAction) and not self.req.verified:  # a verified answer stays fp32's
             self.left_at = self.clock()
             return MoveTo(action.to, poisoned=False)
         return Continue()

@@ -44,6 +44,13 @@ class Auditor:
             self._jobs.append(job)
 
     @property
+    def runnable(self) -> bool:
+        """A chunk can run now: a job under way, or one waiting and a free session slot for it."""
+        with self._lock:
+            waiting = bool(self._jobs)
+        return self._job is not None or (waiting and self.engine.free_slots > 0)
+
+    @property
     def pending(self) -> int:
         with self._lock:
             return len(self._jobs) + (self._job is not None)
@@ -68,8 +75,9 @@ class Auditor:
             self._end()
             return True
         if not self._feed:
-            record = score(job, torch.cat(self._rows))
-            self._end()
+            rows = torch.cat(self._rows)
+            self._end()  # first: a bug in scoring must not leave the job current forever
+            record = score(job, rows)
             self.done += 1
             self.on_record(record)
         return True

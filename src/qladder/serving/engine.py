@@ -176,6 +176,8 @@ class ServingEngine:
                                            c.scheduler, clock=clock, cores=self.cores)
             if self.standby is not None:
                 self.scheduler.keep_drafting = self._keep_drafting
+                self.scheduler.left_drafting = self._drafted
+                self.standby.on_left = self._left_verification
 
     def _load_standby(self, rung: str, s: Settings) -> Engine | Remote:
         c = self.config
@@ -279,6 +281,13 @@ class ServingEngine:
                 return True
             self._drafting.discard(request_id)
             return False
+
+    def _left_verification(self, request_id: str) -> None:
+        """A verified request went on at the standby as an ordinary handoff: its INT4 slot is
+        released, and it no longer counts as drafting."""
+        assert isinstance(self.scheduler, Int4Scheduler)
+        self.scheduler.forget(request_id)
+        self._drafted(request_id)
 
     def _drafted(self, request_id: str) -> None:
         with self._drafting_lock:

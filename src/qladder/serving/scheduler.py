@@ -109,12 +109,14 @@ class Int4Scheduler:
         self.cores = cores
         self.keep_drafting: Callable[[str], bool] | None = None  # set by the serving engine (its policy)
         self.stopped_drafting = 0  # verified requests that went on at the verifying rung alone
+        self.left_drafting: Callable[[str], None] | None = None  # tells the engine's policy
         self.standby = standby
         self.aborts = aborts
         self.config = config or SchedulerConfig()
         self.monitor = engine.has_native  # whether activation peaks can be had at all
         self.clock = clock
         self._inbox: queue.Queue[tuple[str, RequestMachine]] = queue.Queue()
+        self._forgotten: queue.SimpleQueue[str] = queue.SimpleQueue()  # request ids (see forget)
         self._waiting: deque[_Slot] = deque()  # admitted to the queue, not yet in a slot
         self._count_lock = threading.Lock()
         self._n_waiting = 0  # requests in the pool (waiting or in a slot), behind _count_lock
@@ -160,6 +162,15 @@ class Int4Scheduler:
                 m.finish(FinishReason.ABORT)
                 return
             self._inbox.put(("return", m))
+        self._wake.set()
+
+    def forget(self, request_id: str) -> None:
+        """A verified request left verification at the standby (it goes on there as an ordinary
+        handoff): release the slot kept for it, without touching its machine."""
+        with self._count_lock:
+            if not self._accepting:
+                return
+            self._forgotten.put(request_id)
         self._wake.set()
 
     def resume(self, m: RequestMachine) -> None:
@@ -226,6 +237,13 @@ class Int4Scheduler:
     def _take_inbox(self) -> None:
         while True:
             try:
+                rid = self._forgotten.get_nowait()
+            except queue.Empty:
+                break
+            for s in [s for s in self._slots.values() if s.away and s.m.request_id == rid]:
+                self._release(s)
+        while True:
+            try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return
@@ -264,8 +282,11 @@ class Int4Scheduler:
             self._release(s)
             return
         poisoned = d.hazard is not None and d.sent == len(d.ids)  # its last evaluated position made a bad row
-        lcp = d.reconcile(m.context)
-        keep = min(s.n_past, lcp, s.n_past - 1 if poisoned else s.n_past)
+        context = m.context
+        lcp = d.reconcile(context)
+        # what the slot evaluated agrees with the new context and its kept lookahead up to here
+        agree = len(d.base) + len(d.ids) if lcp >= len(context) else lcp
+        keep = min(s.n_past, agree, s.n_past - 1 if poisoned else s.n_past)
         if keep < s.n_past:
             self.engine.truncate(s.slot, keep)
             s.n_past = keep
@@ -467,6 +488,8 @@ class Int4Scheduler:
         ordinary hazard on rung 0, handed off: the verifying rung decodes the rest alone)."""
         s.drafts = None
         s.m.decided_by(0, None)
+        if self.left_drafting is not None:
+            self.left_drafting(s.m.request_id)
         self._leave(s, s.m.on_hazard(hazard, None))
 
     def _send(self, s: _Slot) -> None:
@@ -573,6 +596,11 @@ class Int4Scheduler:
                 m = s.m
                 if s.away:  # the verifying rung has it: it comes back to a slot that is gone
                     continue
+                if s.drafts is not None:  # a verified request here: INT4 failed it, fp32 goes on alone
+                    s.drafts = None
+                    m.decided_by(0, None)
+                    if self.left_drafting is not None:
+                        self.left_drafting(m.request_id)
                 if self.aborts.is_aborted(m.request_id):
                     m.finish(FinishReason.ABORT)
                     continue

@@ -96,6 +96,7 @@ class StandbyPool:
         self.max_sessions = max_sessions
         self.on_return = on_return
         self.on_checked = on_checked
+        self.on_left: Callable[[str], None] | None = None  # set by the serving engine (see _left)
         self.prefill_chunk = prefill_chunk
         self.deadline_per_token_s = deadline_per_token_s
         self.cores, self.threads = cores, threads  # a lease of up to `threads` cores per forward
@@ -158,7 +159,7 @@ class StandbyPool:
     # -- the worker thread -----------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            block = not self._active and not self._waiting and not (self.auditor and self.auditor.pending)
+            block = not self._active and not self._waiting and not (self.auditor and self.auditor.runnable)
             try:
                 while True:
                     t = self._inbox.get(block=block, timeout=None)
@@ -179,6 +180,7 @@ class StandbyPool:
                 t = self._waiting.popleft()
                 self.waits_ms.append((self.clock() - t.enqueued) * 1e3)
                 self._active.append(t)
+            self._n_handoffs = self._handoffs()
             try:
                 self._turn()
                 self._n_handoffs = self._handoffs()
@@ -270,6 +272,13 @@ class StandbyPool:
         t.feed, t.rows, t.opened = [m.accepted[-1]], 1, False
         return False
 
+    def _left(self, t: _Task) -> None:
+        """The task goes on as an ordinary handoff; a verified request that leaves verification
+        here tells rung 0 to release the slot it keeps for it (its machine stays here)."""
+        if not t.handoff and self.on_left is not None:
+            self.on_left(t.m.request_id)
+        t.handoff = True
+
     def _back(self, t: _Task) -> None:
         """A verified request goes back to rung 0 whatever happened here (its slot waits there)."""
         if not t.handoff and self.on_checked is not None:
@@ -339,7 +348,7 @@ class StandbyPool:
         if isinstance(t.action, Done):
             self._back(t)
             return True
-        t.handoff = True
+        self._left(t)
         return False
 
     @staticmethod
@@ -416,7 +425,10 @@ class StandbyPool:
         if not isinstance(t.session, BatchedTorchSession):
             t.feed = None
             return feed, True
-        ids, t.feed = feed[: self.prefill_chunk], feed[self.prefill_chunk:]
+        cut = self.prefill_chunk
+        if 0 < len(feed) - cut < t.rows:  # the last chunk must hold every row the task wants
+            cut = len(feed) - t.rows
+        ids, t.feed = feed[:cut], feed[cut:]
         last = not t.feed
         if last:
             t.feed = None
@@ -428,6 +440,7 @@ class StandbyPool:
         if isinstance(action, MoveTo) and t.opened and m.rung != action.rung:  # not routed here from the start
             m.moved(action.rung, len(m.context), warm=False)
         if isinstance(got, StepFailed):
+            t.feed, t.rows = None, 1  # what was left of a context is moot: the session is not trusted
             if isinstance(action, Drafted):
                 self._close(t)
                 t.action = m.on_hazard(Hazard("engine_error", m.rungs[m.rung], m.step, detail=got.error), None)
@@ -476,7 +489,7 @@ class StandbyPool:
             self._back(t)
             return True
         self._close(t)  # a hazard on this rung with a rung above: an ordinary handoff from here
-        t.handoff = True
+        self._left(t)
         return False
 
 

@@ -29,7 +29,7 @@ import httpx
 
 from qladder.config import Settings
 from qladder.engines.llamacpp import LlamaVocab
-from qladder.engines.remote_vllm import draft_logprobs, score_body
+from qladder.engines.remote_vllm import draft_scores, score_body
 from qladder.engines.torch_engine import fp32_checkpoint
 from qladder.errors import InputError
 from qladder.model import inspect_model
@@ -57,7 +57,7 @@ def draft(url: str, ids: list[int], n: int) -> list[tuple[int, float]]:
 def score(url: str, model: str, ids: list[int], toks: list[int]) -> list[float]:
     r = httpx.post(f"{url}/v1/completions", timeout=300, json=score_body(model, ids, toks))
     r.raise_for_status()
-    return draft_logprobs(r.json(), len(ids), toks)
+    return [s.logprob for s in draft_scores(r.json(), len(ids), toks)]
 
 
 def summary(drafts: list[list[tuple[float, float]]]) -> dict[str, object]:

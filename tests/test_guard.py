@@ -386,7 +386,7 @@ def test_a_passed_draft_is_released_as_a_remote_rung_releases_and_an_early_end_w
     visit, events = _draft_machine()
     m = visit.m
     _feed(visit, [10, 11, 12, 13, 14])
-    visit.draft_checked()
+    visit.draft_checked([])
     assert not m.unchecked and m.stream.hold == 3 and m.stream.released == 2
     assert [e.token_ids for e in events if isinstance(e, TokenEvent)] == [[10, 11]]
 
@@ -395,7 +395,7 @@ def test_a_passed_draft_is_released_as_a_remote_rung_releases_and_an_early_end_w
     assert isinstance(action, Confirm) and action.reason is FinishReason.LENGTH and short.m.done is None
     eos = _feed(_draft_machine()[0], [10, 0])
     assert isinstance(eos, Confirm) and eos.reason is FinishReason.STOP
-    short.draft_checked()
+    short.draft_checked([])
     assert short.m.finish(action.reason).token_ids == [10, 11, 12]
 
 
@@ -434,3 +434,41 @@ def test_token_faults_hit_their_step_only():
     assert f.token(tok, 0.01, 5, V) == (tok, 2.0)
     with pytest.raises(EngineError):
         TokenFaults([parse_fault("error@step=1")]).token(tok, 0.01, 1, V)
+
+
+def test_check_drift_refuses_a_window_that_leaves_fp32s_argmax_from_its_first_departure():
+    from qladder.health.remote import Scored, check_drift, window_agreements
+
+    def scored(flags):
+        return [Scored(-0.1 if f else -3.0, 1 if f else 7) for f in flags]
+
+    clean = [True] * 6 + [False] + [True] * 9  # one paraphrase in 16
+    assert check_drift(list(range(16)), scored(clean), [], "llama-server", "vllm", 16, 0.5) is None
+    salad = [True, True, False, True, False, False, False, False]
+    h = check_drift([9] * 8, scored(salad), [True] * 8, "llama-server", "vllm", 16, 0.75, start=24)
+    assert h is not None and h.check == "drift" and h.step == 26  # the held window's first departure
+    assert h.value == pytest.approx(11 / 16) and h.threshold == 0.75
+    # held tokens that all agree pass, however the window before them went (it is out already)
+    assert check_drift([1, 2], scored([True, True]), [False] * 14, "llama-server", "vllm", 16, 0.5) is None
+    # the checks as the pool makes them: the first 8, then every 16, then the rest at the end
+    flags = [True] * 8 + [False] * 16 + [True] * 4
+    assert window_agreements(flags, 8, 16) == [1.0, 0.0, pytest.approx(4 / 16)]
+
+
+def test_a_rolling_window_holds_its_tokens_until_passed_and_a_drift_refusal_keeps_the_released_ones():
+    from qladder.actions import MoveTo
+    from qladder.types import Hazard, TokenEvent
+
+    visit, events = _draft_machine(max_tokens=64)
+    m = visit.m
+    _feed(visit, [10, 11, 12, 13, 14])
+    visit.draft_checked([True] * 5)
+    visit.await_draft_check(6)  # the next window: tokens 5..10
+    assert visit.held_from == 5 and m.unchecked
+    _feed(visit, [15, 16, 17, 18, 19, 20])
+    released = m.stream.released
+    assert released <= 5  # none of the held window is out
+    assert [i for e in events if isinstance(e, TokenEvent) for i in e.token_ids] == [10, 11, 12, 13, 14][:released]
+    action = m.on_hazard(Hazard("drift", "llama-server", 8, 0.4, 0.6), None)
+    assert isinstance(action, MoveTo) and action.rung == 1
+    assert m.context == [1, 2, 3, 10, 11, 12, 13, 14, 15, 16, 17]  # continues after the passed ones

@@ -19,7 +19,7 @@ import pytest
 from qladder.engines.remote import RemoteEnd
 from qladder.engines.remote_llama import LlamaServerRung
 from qladder.engines.remote_vllm import VllmRung
-from qladder.health.remote import RemoteToken
+from qladder.health.remote import RemoteToken, Scored
 from qladder.model import user_prompt_ids
 from qladder.peers.llama_server import LlamaServer
 from qladder.sampling import SamplingParams
@@ -109,7 +109,7 @@ def test_an_answer_that_stops_before_its_budget_ends_without_the_length_flag(run
 def test_a_rung_that_can_score_gives_the_draft_its_own_likelihood(rung, model_info):
     p = _prompt(model_info, rung)
 
-    async def score(draft: list[int]) -> list[float]:
+    async def score(draft: list[int]) -> list[Scored]:
         async with httpx.AsyncClient(timeout=120) as client:
             return await rung.score(client, p, draft)
 
@@ -120,7 +120,9 @@ def test_a_rung_that_can_score_gives_the_draft_its_own_likelihood(rung, model_in
     toks = _stream(rung, p, 8)[0]
     own = asyncio.run(score([t.token_id for t in toks]))
     assert len(own) == 8
-    for t, lp in zip(toks, own, strict=True):  # one prefill scores what the stream drew, the same
-        assert t.logprob is not None and lp == pytest.approx(t.logprob, abs=0.05)
+    for t, s in zip(toks, own, strict=True):  # one prefill scores what the stream drew, the same
+        assert t.logprob is not None and s.logprob == pytest.approx(t.logprob, abs=0.05)
+        assert s.rank == 1  # greedy: each drawn token is its own argmax there (the drift check's flag)
     odd = asyncio.run(score([rung.tokenize(" zebra", False)[0]] * 8))
-    assert sum(odd) < sum(own) - 10  # a draft it would not write is far less likely
+    assert sum(s.logprob for s in odd) < sum(s.logprob for s in own) - 10  # a draft it would not write
+    assert odd[0].rank > 1  # is far less likely, and not its argmax

@@ -30,13 +30,14 @@ MODEL = "smollm2-135m-instruct"
 
 
 @contextlib.contextmanager
-def serving(llama_url: str, vllm_url: str, tmp_path, breaker: BreakerConfig | None = None
+def serving(llama_url: str, vllm_url: str, tmp_path, breaker: BreakerConfig | None = None, **server: object
             ) -> Iterator[tuple[Server, str]]:
     t = Topology()
     pools = (PoolConfig("edge", ("llama-server",), slots=4, weight=1.0, handoff_to="gpu", url=llama_url),
              PoolConfig("gpu", ("vllm",), sessions=4, url=vllm_url))
     t = dataclasses.replace(t, pools=pools, breaker=breaker or t.breaker,
-                            server=dataclasses.replace(t.server, incidents=str(tmp_path / "incidents.db")))
+                            server=dataclasses.replace(t.server, incidents=str(tmp_path / "incidents.db"),
+                                                       **server))  # type: ignore[arg-type]
     server = build_server(t)
     try:
         with live_app(server.app) as base:
@@ -158,3 +159,30 @@ def test_glitch_tokens_first_tokens_are_refused_by_vllm_and_the_answer_continues
     # nothing refused was forwarded (and a trailing partial character never is)
     assert text == expected.removesuffix("\ufffd")
     assert stats["drafts_refused"] == 1 and stats["drafts_passed"] == 0
+
+
+def test_a_drift_window_at_bound_one_turns_every_answer_into_vllms_greedy_answer(model_info, vllm_server, tmp_path):
+    """The drift window with no tolerance (drift_bound = 1: any token that is not fp32's argmax is
+    refused): each held window is scored on vLLM, the first departure is refused with the window's
+    tokens after it, and vLLM continues; past the first refusal the answer is vLLM's. So every
+    answer equals vLLM's own greedy answer, whether INT4 departs in the draft (the capital of
+    France: token 0) or later, in a window after it (checked every 8 tokens here)."""
+    prompts = ("What is the capital of France?", "Who painted the Mona Lisa?", "Name three colors.",
+               "Write a haiku about the sea.")
+    with LlamaServer(model_info.path, n_parallel=4, threads=1, n_ctx_per_slot=1024) as ls, \
+            serving(ls.base_url, vllm_server.base_url, tmp_path, drift_bound=1.0, drift_window=8) as (server, base):
+        answers = [_stream(base, p, 40) for p in prompts]
+        refs = []
+        for p in prompts:
+            ids = user_prompt_ids(model_info.chat_template, p, server.vocab.tokenize)
+            refs.append(httpx.post(f"{vllm_server.base_url}/v1/completions", timeout=120, json={
+                "model": "fp32", "prompt": ids, "max_tokens": 40, "temperature": 0}).json()["choices"][0]["text"])
+        stats = server.engine.stats()
+    for (text, ext, _), ref in zip(answers, refs, strict=True):
+        assert text == ref and not ext["fallback"]
+        assert all(h["check"] == "drift" for h in ext["hazards"])  # a refusal here is a drift refusal only
+    steps = [h["step"] for _, ext, _ in answers for h in ext["hazards"]]
+    assert 0 in steps  # France: INT4's first token is not fp32's
+    assert stats["drafts_drift"] == len(steps) >= 2
+    # windows past the draft were checked: more checks than answers
+    assert stats["drafts_passed"] + stats["drafts_refused"] > len(prompts)

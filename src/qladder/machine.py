@@ -189,7 +189,7 @@ class RequestMachine:
         """Drop the step; record the hazard; ask the policy (a repetition first asks the next rung)."""
         self.left_at = now = self.clock()  # the handoff's latency counts from here
         self.rec.close_handoff(now, self.step)  # a handoff whose new rung failed before its first token
-        if hazard.check == "verify":  # the standby refused token `step`: continue from the ones before it
+        if hazard.check in ("verify", "drift"):  # the standby refused token `step`: continue from the ones before it
             self._rollback_unreleased(hazard.step)
         elif hazard.check == "diffuse" or self.unchecked:  # suspect, or never checked: roll back what was held
             self._rollback_unreleased()

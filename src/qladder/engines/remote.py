@@ -25,7 +25,7 @@ import httpx
 
 from qladder.engines.llamacpp import LlamaVocab
 from qladder.errors import EngineError, RemoteStreamError, TokenizerMismatchError
-from qladder.health.remote import RemoteToken
+from qladder.health.remote import RemoteToken, Scored
 from qladder.model import ModelInfo
 from qladder.sampling import SamplingParams
 
@@ -63,9 +63,9 @@ class RemoteRung(Protocol):
         """Continue `ids` for at most `n_remaining` tokens, sampled with `params` by the server."""
         ...
 
-    async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[float]:
-        """This model's logprob of each draft token after `prompt` and the draft tokens before it
-        (one prefill)."""
+    async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[Scored]:
+        """This model's logprob and rank of each draft token after `prompt` and the draft tokens
+        before it (one prefill)."""
         ...
 
     def close(self) -> None: ...
@@ -96,7 +96,7 @@ class HttpRung(LlamaVocab):
     def _connect(self, timeout_s: float) -> None:
         raise NotImplementedError
 
-    async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[float]:
+    async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[Scored]:
         raise NotImplementedError(f"{self.server} cannot score a draft")
 
     def _post(self, timeout_s: float, path: str, body: dict[str, object]) -> dict[str, Any]:

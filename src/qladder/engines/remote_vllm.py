@@ -21,7 +21,7 @@ import httpx
 
 from qladder.engines.remote import HttpRung, RemoteEnd, check_stream_status
 from qladder.errors import RemoteStreamError
-from qladder.health.remote import RemoteToken
+from qladder.health.remote import RemoteToken, Scored
 from qladder.model import ModelInfo
 from qladder.sampling import SamplingParams
 
@@ -89,12 +89,12 @@ class VllmRung(HttpRung):
                     return
         raise RemoteStreamError("vLLM's stream ended before a finish_reason")
 
-    async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[float]:
+    async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[Scored]:
         r = await client.post(f"{self.base_url}/v1/completions", json=score_body(self.model, prompt, draft))
         if r.status_code != 200:
             raise RemoteStreamError(f"vLLM answered HTTP {r.status_code}: {r.text[:200]}")
         try:
-            return draft_logprobs(r.json(), len(prompt), draft)
+            return draft_scores(r.json(), len(prompt), draft)
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise RemoteStreamError(f"vLLM's prompt_logprobs are malformed: {exc!r}") from exc
 
@@ -105,11 +105,12 @@ def score_body(model: str, prompt: list[int], draft: list[int]) -> dict[str, obj
     return {"model": model, "prompt": prompt + draft, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
 
 
-def draft_logprobs(answer: dict[str, Any], n_prompt: int, draft: Sequence[int]) -> list[float]:
-    """Each draft token's logprob from the answer to `score_body` (KeyError, IndexError,
-    TypeError or ValueError when it is not that answer)."""
+def draft_scores(answer: dict[str, Any], n_prompt: int, draft: Sequence[int]) -> list[Scored]:
+    """Each draft token's logprob and rank (1: the model's argmax there) from the answer to
+    `score_body` (KeyError, IndexError, TypeError or ValueError when it is not that answer)."""
     rows = answer["choices"][0]["prompt_logprobs"][n_prompt:]
-    return [float(row[str(t)]["logprob"]) for row, t in zip(rows, draft, strict=True)]
+    return [Scored(float(row[str(t)]["logprob"]), int(row[str(t)]["rank"]))
+            for row, t in zip(rows, draft, strict=True)]
 
 
 def _top(d: dict[str, float | None] | None) -> tuple[tuple[int, float | None], ...]:

@@ -79,6 +79,16 @@ class DraftCheck:
     # byte-fallback tokens), and those whose mean logprob on their own rung is under this bound
     # (the rung was unsure); the rest are released unscored. None: score every draft.
     verify_suspect_logprob: float | None = -1.25
+    # The drift window (health/remote.check_drift): past the draft, every `drift_window` tokens of a
+    # greedy answer are held and scored the same way, and a window where the rung above's own argmax
+    # is under `drift_bound` of the last `drift_window` tokens is refused from its first token that is
+    # not. None: off (past the draft, tokens are released as they come). bench/calibrate_drift.py on
+    # the train half (bench/results/calibrate-drift-2026-12-03.json, 32-token greedy answers): clean
+    # normal answers' lowest window 0.75 (112 answers; median 0.94), 3 of 31 clean abnormal ones at
+    # 0 (the draft check refuses those too); the x1000 corrupted scale's and the glitch tokens'
+    # highest 0.125-0.25 (47 of 47 answers under 0.25). The same for windows of 8, 16 and 32.
+    drift_window: int = 16
+    drift_bound: float | None = 0.5
 
 
 @dataclass(frozen=True)

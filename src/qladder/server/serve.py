@@ -48,6 +48,8 @@ def serving_config(t: Topology, settings: Settings) -> ServingConfig:
         guard = dataclasses.replace(guard, draft=dataclasses.replace(guard.draft, verify_tokens=0))
     elif t.server.draft_check == "all":
         guard = dataclasses.replace(guard, draft=dataclasses.replace(guard.draft, verify_suspect_logprob=None))
+    guard = dataclasses.replace(guard, draft=dataclasses.replace(
+        guard.draft, drift_window=t.server.drift_window, drift_bound=t.server.drift_bound or None))
     off = t.server.guard == "off"
     from qladder.policy import LadderPolicy
 

@@ -11,6 +11,9 @@
     guard = "default"              # guard preset: default, logits, strict, off
     draft_check = "suspect"        # vLLM above a remote INT4 rung scores an answer's first tokens:
                                    # "suspect" drafts (a flagged input, an unsure rung), "all", "off"
+    drift_window = 16              # ... and past the draft, every window of this many tokens of a greedy
+    drift_bound = 0.5              # answer, held: a window where fp32's own argmax is under this share
+                                   # is refused from its first token that is not (0: off)
     sanitize = "default"           # input defence preset: default, strict, off
     verify_below = 0.0             # a prompt class whose audited agreement (last 200 answers, at least
                                    # 20) falls under this is served verified (0: never)
@@ -114,6 +117,8 @@ class ServerSettings:
     allow_faults: bool = False
     guard: str = "default"
     draft_check: str = "suspect"
+    drift_window: int = 16
+    drift_bound: float = 0.5
     sanitize: str = "default"
     verify_below: float = 0.0
 
@@ -260,6 +265,10 @@ def _check_server(s: ServerSettings, errors: list[str]) -> None:
         errors.append(f"server.guard: unknown preset {s.guard!r} (choose from {', '.join(GUARD_PRESETS)})")
     if s.draft_check not in DRAFT_CHECKS:
         errors.append(f"server.draft_check: {s.draft_check!r} is none of {', '.join(DRAFT_CHECKS)}")
+    if s.drift_window < 1:
+        errors.append(f"server.drift_window must be >= 1, got {s.drift_window}")
+    if not 0.0 <= s.drift_bound <= 1.0:
+        errors.append(f"server.drift_bound must be within [0, 1], got {s.drift_bound}")
     if s.sanitize not in PRESETS:
         errors.append(f"server.sanitize: unknown preset {s.sanitize!r} (choose from {', '.join(PRESETS)})")
 

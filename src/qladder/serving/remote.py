@@ -36,10 +36,10 @@ from dataclasses import dataclass
 import httpx
 
 from qladder import fault_seam
-from qladder.actions import Confirm, Done, Drafted, Leave, Move, MoveTo, Verify
+from qladder.actions import Confirm, Continue, Done, Drafted, Leave, Move, MoveTo, Verify
 from qladder.engines.remote import RemoteEnd, RemoteRung
 from qladder.errors import ConfigError, EngineDeadError, EngineError, QueueFullError, RemoteStreamError
-from qladder.health.remote import RemoteToken, check_draft
+from qladder.health.remote import RemoteToken, check_draft, check_drift
 from qladder.machine import RequestMachine
 from qladder.sampling import SamplingParams, TokenLogprob
 from qladder.serving.aborts import AbortRegistry
@@ -82,7 +82,7 @@ class RemotePool:
         # answers' first tokens the standby scored (passed, refused, could not say), released unscored
         # (a confident draft of an unflagged input), or not held (a prompt over
         # `verify_max_context`); written by the loop thread
-        self.checks = {"passed": 0, "refused": 0, "unchecked": 0, "confident": 0, "skipped": 0}
+        self.checks = {"passed": 0, "refused": 0, "drift": 0, "unchecked": 0, "confident": 0, "skipped": 0}
         self.bugs: list[BaseException] = []
         self._n = 0
         self._on: dict[int, int] = dict.fromkeys(self.rungs, 0)  # requests streaming per rung (loop thread)
@@ -235,9 +235,7 @@ class RemotePool:
         deadline = m.config.guard.step_deadline_s
         faults = fault_seam.token_faults(m.req.faults) if j == 0 else None  # step faults hit the rung under test only
         visit = RemoteVisit(m)
-        n_check = self._draft_size(m, j)
-        if n_check:
-            visit.await_draft_check(n_check)
+        n_check = self._hold_window(visit, j)
         stream = rung.stream(self._client, m.context, m.params, max(1, m.params.max_tokens - m.step))
         async with contextlib.aclosing(stream) as items:
             last = self.clock()
@@ -289,6 +287,8 @@ class RemotePool:
                 if m.unchecked and (isinstance(action, Confirm | MoveTo | Verify) or m.step >= n_check):
                     if (refused := await self._check_draft(visit, j)) is not None:
                         return refused
+                    if isinstance(action, Continue):
+                        n_check = self._hold_window(visit, j)
                     last = self.clock()  # the server kept decoding meanwhile: the gap restarts here
                 if isinstance(action, Confirm):
                     m.finish(action.reason)
@@ -298,43 +298,58 @@ class RemotePool:
                 if isinstance(action, (MoveTo, Verify)):  # a policy move (not a hazard)
                     return action
 
-    def _draft_size(self, m: RequestMachine, j: int) -> int:
-        """How many first tokens of this answer on rung j the rung above checks (0: none)."""
-        g = m.config.guard
+    def _hold_window(self, visit: RemoteVisit, j: int) -> int:
+        """Hold the next window of this answer on rung j for the rung above to check: the answer's
+        first `verify_tokens` (the draft), then every `drift_window` tokens where the drift
+        window is on. The step at which the window is checked (0: none; the rest is released as
+        it comes)."""
+        m, g = visit.m, visit.m.config.guard
+        d = g.draft
         above = self.rungs.get(j + 1)
-        if (not g.check_logits or g.draft.verify_tokens <= 0 or m.step > 0 or above is None
+        size = d.verify_tokens if m.step == 0 else (d.drift_window if d.drift_bound is not None else 0)
+        if (not g.check_logits or d.verify_tokens <= 0 or size <= 0 or above is None
                 or not above.can_score or not self.health[j + 1]):
             return 0
-        if len(m.prompt) > g.draft.verify_max_context:
-            self.checks["skipped"] += 1
+        if len(m.context) > d.verify_max_context:
+            if m.step == 0:
+                self.checks["skipped"] += 1
             return 0
-        return g.draft.verify_tokens
+        visit.await_draft_check(size)
+        return m.step + size
 
     async def _check_draft(self, visit: RemoteVisit, j: int) -> Hazard | None:
-        """Score the held draft on rung j + 1 (one prefill); the refusal, or None (released)."""
+        """Score the held window on rung j + 1 (one prefill); the refusal, or None (released)."""
         assert self._client is not None
         m = visit.m
-        above, draft, g = self.rungs[j + 1], m.accepted, m.config.guard
-        own = visit.drawn[:len(draft)]
+        above, g = self.rungs[j + 1], m.config.guard
+        start = visit.held_from
+        draft = m.accepted[start:]
+        own = visit.drawn[start - visit.start:start - visit.start + len(draft)]
         if not draft:  # an answer that ended at once: nothing to score or release
-            visit.draft_checked()
+            visit.draft_checked([])
             return None
-        if not self._suspect(m, j, own):
+        if start == 0 and not self._suspect(m, j, own) and g.draft.drift_bound is None:
             self.checks["confident"] += 1
-            visit.draft_checked()
+            visit.draft_checked([])
             return None
         try:
-            lps = await asyncio.wait_for(above.score(self._client, m.prompt, draft), self.config.check_timeout_s)
+            scored = await asyncio.wait_for(above.score(self._client, m.context[:len(m.prompt) + start], draft),
+                                            self.config.check_timeout_s)
         except (RemoteStreamError, httpx.HTTPError, TimeoutError) as exc:
             _log.warning("request %s: %s could not check its draft (%r); released unchecked",
                          m.request_id, above.name, exc)
             self.checks["unchecked"] += 1
-            visit.draft_checked()
+            visit.draft_checked([])
             return None
-        refused = check_draft(draft, own, lps, m.rungs[m.rung], above.name, g.draft.verify_gap)
+        rung, d = m.rungs[m.rung], g.draft
+        refused = check_draft(draft, own, [s.logprob for s in scored], rung, above.name, d.verify_gap, start)
+        if refused is None and d.drift_bound is not None and m.params.greedy:
+            refused = check_drift(draft, scored, visit.flags, rung, above.name, d.drift_window, d.drift_bound, start)
         self.checks["refused" if refused else "passed"] += 1
+        if refused is not None and refused.check == "drift":
+            self.checks["drift"] += 1
         if refused is None:
-            visit.draft_checked()
+            visit.draft_checked([s.rank == 1 for s in scored])
         return refused
 
     def _suspect(self, m: RequestMachine, j: int, own: list[float]) -> bool:

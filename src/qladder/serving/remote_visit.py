@@ -24,6 +24,9 @@ class RemoteVisit:
         self.m = m
         self.top1: list[float] = []  # the rung's top-1 logprobs (its `diffuse` check)
         self.drawn: list[float] = []  # its logprobs of the tokens it drew (the standby's `verify` check)
+        self.start = m.step  # the answer's step when the visit began (drawn[0] is its token)
+        self.held_from = m.step  # the first token of the window the rung above checks next
+        self.flags: list[bool] = []  # per token it passed: the rung above's argmax (the `drift` check)
         g = m.config.guard
         self.climb = m.rung + 1 < len(m.rungs)
         r = g.remote
@@ -48,9 +51,12 @@ class RemoteVisit:
         return hazard
 
     def await_draft_check(self, n: int) -> None:
-        """The rung above checks this visit's first `n` tokens before any is released."""
+        """The rung above checks the next `n` tokens before any of them is released."""
+        self.held_from = self.m.step
         self.m.hold(n, check=True)
 
-    def draft_checked(self) -> None:
-        """The standby passed the draft (or could not say): release as a remote rung does."""
+    def draft_checked(self, flags: list[bool]) -> None:
+        """The standby passed the window (`flags`: per token, its argmax; none when it could not
+        say or did not score): release as a remote rung does."""
+        self.flags.extend(flags)
         self.m.hold(self.hold)

@@ -330,7 +330,7 @@ class Fp32Judge:
 
     def nll(self, prompt: list[int], answer: list[int]) -> float | None:
         """The answer's mean NLL under fp32 (None when scoring failed: the answer is then unjudged)."""
-        from qladder.engines.remote_vllm import draft_logprobs, score_body
+        from qladder.engines.remote_vllm import draft_scores, score_body
         from qladder.validate.garbage import mean_nll
 
         key = (tuple(prompt), tuple(answer))
@@ -338,7 +338,7 @@ class Fp32Judge:
             try:
                 r = httpx.post(f"{self.url}/v1/completions", timeout=300, json=score_body(self.model, prompt, answer))
                 r.raise_for_status()
-                self._nll[key] = mean_nll(draft_logprobs(r.json(), len(prompt), answer))
+                self._nll[key] = mean_nll([s.logprob for s in draft_scores(r.json(), len(prompt), answer)])
             except (httpx.HTTPError, KeyError, ValueError, TypeError, IndexError):
                 self._nll[key] = None
         return self._nll[key]

@@ -18,7 +18,7 @@ from qladder.machine import DRIVER_VIEW, RequestMachine
 
 SRC = Path(qladder.__file__).parent
 DRIVERS = ["ladder.py", "serving/scheduler.py", "serving/standby.py", "serving/remote.py",
-           "serving/remote_visit.py", "serving/handoffs.py", "serving/verify.py"]
+           "serving/remote_visit.py", "serving/remote_verified.py", "serving/handoffs.py", "serving/verify.py"]
 
 
 def _is_machine(node: ast.expr) -> bool:

@@ -204,15 +204,20 @@ def test_a_remote_pool_needs_its_url_and_only_a_remote_rung_takes_one():
                                   {"name": "gpu", "rungs": ["vllm"]}]})
 
 
-def test_a_pool_may_verify_only_with_in_process_rungs_to_draft_and_decide():
+def test_a_pool_may_verify_only_with_a_rung_to_draft_and_one_above_it_to_decide():
     pools = [{"name": "i", "rungs": ["int4"], "weight": 1.0, "handoff_to": "s", "precision": "verified"},
              {"name": "s", "rungs": ["fp32"]}]
     assert parse_topology({"pools": pools}).int4.precision == "verified"
     assert Topology().int4.precision == "fast"
     with pytest.raises(ConfigError, match="precision must be one of fast, verified"):
         parse_topology({"pools": [{**pools[0], "precision": "exact"}, pools[1]]})
-    with pytest.raises(ConfigError, match="needs an in-process int4 rung and an in-process standby"):
+    with pytest.raises(ConfigError, match="needs a standby pool to hand off to whose first rung verifies"):
         parse_topology({"pools": [pools[0], {"name": "s", "rungs": ["vllm"], "url": "http://b:2"}]})
+    remote = [{**pools[0], "rungs": ["llama-server"], "url": "http://a:1"}, {"name": "s", "rungs": ["vllm"],
+                                                                            "url": "http://b:2"}]
+    assert parse_topology({"pools": remote}).int4.precision == "verified"  # llama-server drafts, vLLM decides
+    with pytest.raises(ConfigError, match="needs a standby pool to hand off to whose first rung verifies"):
+        parse_topology({"pools": [remote[0], pools[1]]})
     with pytest.raises(ConfigError, match="is an INT4 pool's"):
         parse_topology({"pools": [{**pools[0], "precision": "fast"}, {**pools[1], "precision": "verified"}]})
 

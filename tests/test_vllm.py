@@ -186,3 +186,53 @@ def test_a_drift_window_at_bound_one_turns_every_answer_into_vllms_greedy_answer
     assert stats["drafts_drift"] == len(steps) >= 2
     # windows past the draft were checked: more checks than answers
     assert stats["drafts_passed"] + stats["drafts_refused"] > len(prompts)
+
+
+def _verified_stream(base: str, text: str, max_tokens: int, precision: str, temperature: float = 0.0):
+    with openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=300) as c:
+        chunks = list(c.chat.completions.create(
+            model=MODEL, stream=True, max_tokens=max_tokens, temperature=temperature, seed=7,
+            messages=[{"role": "user", "content": text}], extra_body={"qladder": {"precision": precision}}))
+    pieces = [ch.choices[0].delta.content for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    return "".join(pieces), chunks[-1].model_extra["qladder"]
+
+
+def _vllm_greedy(vllm_url: str, ids: list[int], n: int) -> str:
+    return httpx.post(f"{vllm_url}/v1/completions", timeout=120, json={
+        "model": "fp32", "prompt": ids, "max_tokens": n, "temperature": 0}).json()["choices"][0]["text"]
+
+
+def test_verified_decoding_over_llama_server_and_vllm_streams_vllms_greedy_answer(model_info, vllm_server, tmp_path):
+    """"qladder": {"precision": "verified"} through qladder serve over real llama-server (drafts)
+    and vLLM (decides): the streamed answer is vLLM's own greedy answer, with most tokens drafted by
+    llama-server and kept; the same request without it is llama-server's (INT4's) answer."""
+    prompts = ("What is the capital of France?", "Name three colors.", "Write a haiku about the sea.")
+    with LlamaServer(model_info.path, n_parallel=4, threads=1, n_ctx_per_slot=1024) as ls, \
+            serving(ls.base_url, vllm_server.base_url, tmp_path, drift_bound=0.0) as (server, base):
+        verified = [_verified_stream(base, p, 40, "verified") for p in prompts]
+        fast = _verified_stream(base, prompts[0], 40, "fast")
+        ids = [user_prompt_ids(model_info.chat_template, p, server.vocab.tokenize) for p in prompts]
+        refs = [_vllm_greedy(vllm_server.base_url, i, 40) for i in ids]
+        int4 = httpx.post(f"{ls.base_url}/completion", timeout=60, json={
+            "prompt": ids[0], "n_predict": 40, "temperature": 0}).json()["content"]
+        sampled = _verified_stream(base, prompts[1], 16, "verified", temperature=0.8)
+        stats = server.engine.remote.verified
+    for (text, ext), ref in zip(verified, refs, strict=True):
+        assert text == ref and not ext["fallback"] and ext["hazards"] == []
+        assert set(ext["tokens_per_rung"]) == {"vllm"}  # the rung that decides every token
+    assert "Paris" in verified[0][0] and fast[0] == int4 != verified[0][0]  # INT4's own answer without it
+    assert stats["windows"] >= len(prompts) and stats["stood"] >= stats["drafted"] // 2 > 0  # drafts do stand
+    assert sampled[0] and set(sampled[1]["tokens_per_rung"]) == {"vllm"}  # sampled: vLLM's alone
+
+
+def test_verified_decoding_over_a_corrupted_llama_server_is_still_vllms_answer(model_info, inf_scale_gguf,
+                                                                             vllm_server, tmp_path):
+    """Every draft of the inf-scale copy fails the guard (null logprobs): each is a rejected draft,
+    recorded; after a few windows without progress vLLM writes the rest alone. The answer is vLLM's."""
+    with LlamaServer(inf_scale_gguf, n_parallel=2, threads=1, n_ctx_per_slot=1024) as bad, \
+            serving(bad.base_url, vllm_server.base_url, tmp_path) as (server, base):
+        text, ext = _verified_stream(base, PROMPT, 24, "verified")
+        ids = user_prompt_ids(model_info.chat_template, PROMPT, server.vocab.tokenize)
+        ref = _vllm_greedy(vllm_server.base_url, ids, 24)
+    assert text == ref and "." not in text[:1] and not ext["fallback"]
+    assert ext["hazards"] and {(h["check"], h["rung"]) for h in ext["hazards"]} == {("nonfinite", "llama-server")}

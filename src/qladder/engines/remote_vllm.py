@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -90,27 +90,63 @@ class VllmRung(HttpRung):
         raise RemoteStreamError("vLLM's stream ended before a finish_reason")
 
     async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[Scored]:
-        r = await client.post(f"{self.base_url}/v1/completions", json=score_body(self.model, prompt, draft))
-        if r.status_code != 200:
-            raise RemoteStreamError(f"vLLM answered HTTP {r.status_code}: {r.text[:200]}")
+        answer = await _completion(client, self.base_url, score_body(self.model, prompt, draft))
         try:
-            return draft_scores(r.json(), len(prompt), draft)
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            return draft_scores(answer, len(prompt), draft)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
             raise RemoteStreamError(f"vLLM's prompt_logprobs are malformed: {exc!r}") from exc
 
+    async def verify(self, client: httpx.AsyncClient, context: list[int], draft: list[int]) -> Verdict:
+        """Verified decoding's one call: `draft` after `context` scored, and vLLM's own greedy
+        token after it, in one prefill."""
+        answer = await _completion(client, self.base_url, score_body(self.model, context, draft, self.n_probs))
+        try:
+            return Verdict(draft_scores(answer, len(context), draft), next_token(answer))
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise RemoteStreamError(f"vLLM's verdict is malformed: {exc!r}") from exc
 
-def score_body(model: str, prompt: list[int], draft: list[int]) -> dict[str, object]:
+
+async def _completion(client: httpx.AsyncClient, base_url: str, body: dict[str, object]) -> dict[str, Any]:
+    r = await client.post(f"{base_url}/v1/completions", json=body)
+    if r.status_code != 200:
+        raise RemoteStreamError(f"vLLM answered HTTP {r.status_code}: {r.text[:200]}")
+    return dict(r.json())
+
+
+def score_body(model: str, prompt: list[int], draft: list[int], n_probs: int = 0) -> dict[str, object]:
     """The /v1/completions request that scores `draft` after `prompt` in one prefill
-    (`prompt_logprobs`; the one token it also generates is unused)."""
-    return {"model": model, "prompt": prompt + draft, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+    (`prompt_logprobs`: each token's and the argmax's) and generates one greedy token after it
+    (with `n_probs` top logprobs; `verify` reads it, `score` does not)."""
+    return {"model": model, "prompt": prompt + draft, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1,
+            "logprobs": n_probs, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False}
 
 
 def draft_scores(answer: dict[str, Any], n_prompt: int, draft: Sequence[int]) -> list[Scored]:
-    """Each draft token's logprob and rank (1: the model's argmax there) from the answer to
-    `score_body` (KeyError, IndexError, TypeError or ValueError when it is not that answer)."""
+    """Each draft token's logprob, rank (1: the model's argmax there) and the argmax itself from
+    the answer to `score_body` (KeyError, IndexError, TypeError or ValueError when it is not that
+    answer)."""
     rows = answer["choices"][0]["prompt_logprobs"][n_prompt:]
-    return [Scored(float(row[str(t)]["logprob"]), int(row[str(t)]["rank"]))
-            for row, t in zip(rows, draft, strict=True)]
+    out = []
+    for row, t in zip(rows, draft, strict=True):
+        best = next((int(k) for k, v in row.items() if int(v["rank"]) == 1), None)
+        out.append(Scored(float(row[str(t)]["logprob"]), int(row[str(t)]["rank"]), best))
+    return out
+
+
+def next_token(answer: dict[str, Any]) -> RemoteToken:
+    """The greedy token the answer to `score_body` generated after the draft."""
+    choice = answer["choices"][0]
+    lp = choice.get("logprobs") or {}
+    chosen, tops = lp.get("token_logprobs") or [None], lp.get("top_logprobs") or [None]
+    return RemoteToken(int(choice["token_ids"][0]), chosen[0], None, _top(tops[0]))
+
+
+class Verdict(NamedTuple):
+    """vLLM's verdict on a draft: each token scored, and its own greedy token after the draft."""
+
+    scored: list[Scored]
+    next: RemoteToken
 
 
 def _top(d: dict[str, float | None] | None) -> tuple[tuple[int, float | None], ...]:

@@ -57,11 +57,12 @@ class RemoteToken:
 
 
 class Scored(NamedTuple):
-    """A draft token as the rung above scored it: its logprob there, and its rank (1: that rung's
-    own argmax on the same context)."""
+    """A draft token as the rung above scored it: its logprob there, its rank (1: that rung's own
+    argmax on the same context), and that argmax (`best`, where the scorer says)."""
 
     logprob: float
     rank: int
+    best: int | None = None
 
 
 CLAMPED = -9999.0  # vLLM's JSON stand-in for a -inf logprob

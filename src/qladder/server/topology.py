@@ -34,7 +34,8 @@
                                    # first rung in the background (agreement by class in /metrics)
     precision = "fast"             # "fast": INT4's answers, guarded; "verified": INT4 drafts and the
                                    # standby's first rung decides every token (its answers, verified
-                                   # decoding); a request may ask with "qladder": {"precision": ...}
+                                   # decoding; over llama-server and vLLM greedy requests draft, sampled
+                                   # ones are vLLM's alone); a request may ask with "qladder": {"precision": ...}
 
     # or, in front of a llama.cpp server a team already runs (every token it streams is checked):
     #   rungs = ["llama-server"]
@@ -312,10 +313,11 @@ def _check_pools(pools: tuple[PoolConfig, ...], errors: list[str]) -> None:
             errors.append(f"{where}: precision must be one of {', '.join(PRECISIONS)}, got {p.precision!r}")
         elif p.precision == "verified" and p.kind != "int4":
             errors.append(f"{where}: precision = \"verified\" is an INT4 pool's (its drafts are verified)")
-        elif p.precision == "verified" and (remote or not any(
-                q.name == p.handoff_to and q.rungs and q.rungs[0] not in REMOTE_RUNGS for q in pools)):
-            errors.append(f"{where}: precision = \"verified\" needs an in-process int4 rung and an in-process "
-                          "standby pool to hand off to (its first rung verifies)")
+        elif p.precision == "verified" and not any(
+                q.name == p.handoff_to and q.rungs
+                and (q.rungs[0] == "vllm" if remote else q.rungs[0] not in REMOTE_RUNGS) for q in pools):
+            errors.append(f"{where}: precision = \"verified\" needs a standby pool to hand off to whose first rung "
+                          "verifies: in-process under an in-process int4 rung, vllm under llama-server")
     int4 = [p for p in pools if p.kind == "int4"]
     standby = [p for p in pools if p.kind == "standby"]
     if len(int4) != 1:

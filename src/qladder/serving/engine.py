@@ -211,7 +211,8 @@ class ServingEngine:
         if not 0 <= r.start_rung < len(self.rungs):
             raise ConfigError(f"start_rung {r.start_rung} is not a rung of {self.rungs}")
         if r.verified and not self.verifies:
-            raise ConfigError("verified decoding needs an in-process int4 pool and an in-process rung above it "
+            raise ConfigError("verified decoding needs an int4 pool with a rung above it that decides: in-process "
+                              "int4 and fp32, or llama-server and vLLM "
                               f"(this engine: {self.rungs}, int4 {'remote' if self.remote else 'in-process'})")
         check_prompt_fits(len(r.prompt_ids), min(self.n_ctx))
         if any(not 0 <= t < self.int4.n_vocab for t in r.prompt_ids):
@@ -235,8 +236,8 @@ class ServingEngine:
         if r.start_rung == 0 and len(self.rungs) > 1 and not self.scheduler.healthy:
             r = replace(r, start_rung=1)  # the INT4 pool is unhealthy (a stall, no probe through yet)
         self.aborts.start(r.request_id)
-        if r.verified and r.start_rung == 0 and not self._drafts(r):
-            r = replace(r, start_rung=1)  # the full-precision rung alone: the same answer, sooner
+        if r.verified and r.start_rung == 0 and (not r.params.greedy if self._remote_verifies else not self._drafts(r)):
+            r = replace(r, start_rung=1)  # the full-precision rung alone: the same answer (sooner, or sampled)
         observers = tuple(self.observers)
 
         def deliver(ev: Event) -> None:
@@ -321,8 +322,14 @@ class ServingEngine:
     @property
     def verifies(self) -> bool:
         """Whether this engine serves verified requests: an in-process INT4 pool drafts and an
-        in-process rung 1 (the standby's first) decides."""
-        return isinstance(self.int4, BatchedLlamaCpp) and self.standby is not None and 1 in self.standby.engines
+        in-process rung 1 (the standby's first) decides, or a llama-server drafts and vLLM
+        decides (greedy; a sampled verified request is vLLM's alone)."""
+        in_process = isinstance(self.int4, BatchedLlamaCpp) and self.standby is not None and 1 in self.standby.engines
+        return in_process or self._remote_verifies
+
+    @property
+    def _remote_verifies(self) -> bool:
+        return self.remote is not None and self.remote is self.scheduler and self.remote.verifies
 
     def generate(self, request: Request) -> AsyncEvents:
         """Submit now (a full queue raises QueueFullError here, before any await) and return the

@@ -43,6 +43,7 @@ from qladder.health.remote import RemoteToken, check_draft, check_drift
 from qladder.machine import RequestMachine
 from qladder.sampling import SamplingParams, TokenLogprob
 from qladder.serving.aborts import AbortRegistry
+from qladder.serving.remote_verified import run_verified
 from qladder.serving.remote_visit import RemoteVisit
 from qladder.types import FinishReason, Hazard
 
@@ -83,6 +84,7 @@ class RemotePool:
         # (a confident draft of an unflagged input), or not held (a prompt over
         # `verify_max_context`); written by the loop thread
         self.checks = {"passed": 0, "refused": 0, "drift": 0, "unchecked": 0, "confident": 0, "skipped": 0}
+        self.verified = {"windows": 0, "drafted": 0, "stood": 0}  # verified decoding (remote_verified.py)
         self.bugs: list[BaseException] = []
         self._n = 0
         self._on: dict[int, int] = dict.fromkeys(self.rungs, 0)  # requests streaming per rung (loop thread)
@@ -100,6 +102,17 @@ class RemotePool:
     def healthy(self) -> bool:
         """Rung 0's server answers (True when rung 0 is not remote)."""
         return self.health.get(0, True)
+
+    @property
+    def verifies(self) -> bool:
+        """Whether verified greedy requests draft here: rung 0 and a rung 1 that scores."""
+        above = self.rungs.get(1)
+        return 0 in self.rungs and above is not None and above.can_score
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        assert self._client is not None  # made by the loop's thread before any request runs
+        return self._client
 
     @property
     def slots_in_use(self) -> int:
@@ -179,6 +192,10 @@ class RemotePool:
 
     async def _drive(self, m: RequestMachine, action: Move | None) -> None:
         """Run the request on this pool's rungs until it ends or leaves for a rung not here."""
+        if action is None and m.req.verified and m.rung == 0 and self.verifies:
+            action = await run_verified(self, m)
+            if action is None:
+                return
         while True:
             if isinstance(action, Done):
                 return
@@ -372,6 +389,10 @@ class RemotePool:
         except (RemoteStreamError, httpx.HTTPError):
             pass
         return None
+
+    def unhealthy(self, j: int) -> None:
+        """Rung j's server failed a request (the loop thread): probe it until it answers."""
+        self._set_healthy(j, False)
 
     def _set_healthy(self, j: int, ok: bool) -> None:
         if ok:

@@ -472,3 +472,23 @@ def test_a_rolling_window_holds_its_tokens_until_passed_and_a_drift_refusal_keep
     action = m.on_hazard(Hazard("drift", "llama-server", 8, 0.4, 0.6), None)
     assert isinstance(action, MoveTo) and action.rung == 1
     assert m.context == [1, 2, 3, 10, 11, 12, 13, 14, 15, 16, 17]  # continues after the passed ones
+
+
+def test_a_held_window_whose_release_completes_a_stop_string_ends_the_answer_there():
+    from qladder.client import Request
+    from qladder.machine import RequestMachine
+    from qladder.policy import LadderConfig
+    from qladder.sampling import SamplingParams
+    from qladder.serving.remote_visit import RemoteVisit
+    from qladder.types import FinishReason
+
+    cfg = LadderConfig(guard=GuardConfig(remote=RemoteChecks(diffuse_window=4, diffuse_logprob=-2.0)))
+    m = RequestMachine(Request("r", (1, 2, 3), SamplingParams(max_tokens=32, stop=["12 13"])),
+                       ["llama-server", "vllm"], [512, 512], frozenset({0}),
+                       lambda ids: b"".join(b"%d " % i for i in ids), cfg, StepGuard(cfg.guard))
+    visit = RemoteVisit(m)
+    visit.await_draft_check(7)
+    _feed(visit, [10, 11, 12, 13, 14, 15, 16])  # held: the stop string is not seen until release
+    assert m.done is None
+    visit.draft_checked([True] * 7)  # releases all but the diffuse hold (3): "12 13" is out
+    assert m.done is not None and m.done.finish_reason is FinishReason.STOP and m.done.text == "10 11 "

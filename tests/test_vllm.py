@@ -20,6 +20,7 @@ from qladder.peers.llama_server import LlamaServer
 from qladder.server.breaker import BreakerConfig
 from qladder.server.serve import Server, build_server
 from qladder.server.topology import PoolConfig, Topology
+from qladder.serving.remote_verified import NO_PROGRESS
 from qladder.validate.corpora import load_corpora
 
 from .conftest import live_app
@@ -171,6 +172,12 @@ def test_a_drift_window_at_bound_one_turns_every_answer_into_vllms_greedy_answer
                "Write a haiku about the sea.")
     with LlamaServer(model_info.path, n_parallel=4, threads=1, n_ctx_per_slot=1024) as ls, \
             serving(ls.base_url, vllm_server.base_url, tmp_path, drift_bound=1.0, drift_window=8) as (server, base):
+        sampled_before = sum(server.engine.stats()[f"drafts_{k}"] for k in ("passed", "refused", "confident"))
+        with openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=300) as c:
+            c.chat.completions.create(model=MODEL, max_tokens=40, temperature=0.9, seed=3,
+                                      messages=[{"role": "user", "content": prompts[2]}])
+        sampled_checks = sum(server.engine.stats()[f"drafts_{k}"]
+                             for k in ("passed", "refused", "confident")) - sampled_before
         answers = [_stream(base, p, 40) for p in prompts]
         refs = []
         for p in prompts:
@@ -186,6 +193,7 @@ def test_a_drift_window_at_bound_one_turns_every_answer_into_vllms_greedy_answer
     assert stats["drafts_drift"] == len(steps) >= 2
     # windows past the draft were checked: more checks than answers
     assert stats["drafts_passed"] + stats["drafts_refused"] > len(prompts)
+    assert sampled_checks <= 1  # a sampled answer: its draft's check at most, no drift windows
 
 
 def _verified_stream(base: str, text: str, max_tokens: int, precision: str, temperature: float = 0.0):
@@ -234,5 +242,8 @@ def test_verified_decoding_over_a_corrupted_llama_server_is_still_vllms_answer(m
         text, ext = _verified_stream(base, PROMPT, 24, "verified")
         ids = user_prompt_ids(model_info.chat_template, PROMPT, server.vocab.tokenize)
         ref = _vllm_greedy(vllm_server.base_url, ids, 24)
+        stats = server.engine.stats()
     assert text == ref and "." not in text[:1] and not ext["fallback"]
     assert ext["hazards"] and {(h["check"], h["rung"]) for h in ext["hazards"]} == {("nonfinite", "llama-server")}
+    # no draft stands: after NO_PROGRESS windows vLLM writes the rest alone (not one window a token)
+    assert len(ext["hazards"]) == stats["verified_windows"] == NO_PROGRESS

@@ -137,6 +137,8 @@ class RequestMachine:
         self.stream.hold = max(self.stream.hold, n) if check else n
         if not check:
             self._release()
+            if self.stream.stopped_at is not None:  # what it released completed a stop string
+                self.finish(FinishReason.STOP)
 
     def accept_row(self, row: torch.Tensor, token: int | None = None) -> Action:
         """A healthy row: sample it (or take the driver's greedy `token`), and accept the token."""
@@ -256,7 +258,8 @@ class RequestMachine:
             return self.done
         self.rec.close_handoff(self.clock(), self.step)
         h = self.hazards[-1] if self.hazards else None
-        if h is not None and h.check == "repetition" and h.value is not None and h.step == self.step:
+        if (h is not None and h.check == "repetition" and h.value is not None and h.step == self.step
+                and h.rung == self.rungs[self.rung]):  # not a rejected draft's (verified decoding)
             self.stream.keep_one_period(int(h.value))
         self._release(final=True)
         ids = self.stream.final_ids

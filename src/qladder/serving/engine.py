@@ -409,6 +409,7 @@ class ServingEngine:
                 + (self.remote.standby_active if self.remote else 0), "live": self.aborts.live,
                 # answers whose first tokens the remote standby checked, refused, or could not check
                 **({f"drafts_{k}": v for k, v in self.remote.checks.items()} if self.remote else {}),
+                **({f"verified_{k}": v for k, v in self.remote.verified.items()} if self.remote else {}),
                 **self._audit_stats()}
 
     def _audit_stats(self) -> dict[str, float]:

@@ -193,7 +193,11 @@ class RemotePool:
     async def _drive(self, m: RequestMachine, action: Move | None) -> None:
         """Run the request on this pool's rungs until it ends or leaves for a rung not here."""
         if action is None and m.req.verified and m.rung == 0 and self.verifies:
-            action = await run_verified(self, m)
+            self._on[0] += 1
+            try:
+                action = await run_verified(self, m)
+            finally:
+                self._on[0] -= 1
             if action is None:
                 return
         while True:
@@ -304,6 +308,8 @@ class RemotePool:
                 if m.unchecked and (isinstance(action, Confirm | MoveTo | Verify) or m.step >= n_check):
                     if (refused := await self._check_draft(visit, j)) is not None:
                         return refused
+                    if m.done is not None:  # the released window completed a stop string
+                        return None
                     if isinstance(action, Continue):
                         n_check = self._hold_window(visit, j)
                     last = self.clock()  # the server kept decoding meanwhile: the gap restarts here
@@ -323,7 +329,7 @@ class RemotePool:
         m, g = visit.m, visit.m.config.guard
         d = g.draft
         above = self.rungs.get(j + 1)
-        size = d.verify_tokens if m.step == 0 else (d.drift_window if d.drift_bound is not None else 0)
+        size = d.verify_tokens if m.step == 0 else (d.drift_window if self._drifts(m) else 0)
         if (not g.check_logits or d.verify_tokens <= 0 or size <= 0 or above is None
                 or not above.can_score or not self.health[j + 1]):
             return 0
@@ -345,7 +351,7 @@ class RemotePool:
         if not draft:  # an answer that ended at once: nothing to score or release
             visit.draft_checked([])
             return None
-        if start == 0 and not self._suspect(m, j, own) and g.draft.drift_bound is None:
+        if start == 0 and not self._drifts(m) and not self._suspect(m, j, own):
             self.checks["confident"] += 1
             visit.draft_checked([])
             return None
@@ -355,12 +361,14 @@ class RemotePool:
         except (RemoteStreamError, httpx.HTTPError, TimeoutError) as exc:
             _log.warning("request %s: %s could not check its draft (%r); released unchecked",
                          m.request_id, above.name, exc)
+            if not isinstance(exc, RemoteStreamError):  # unreachable or hung: no more windows until it answers
+                self.unhealthy(j + 1)
             self.checks["unchecked"] += 1
             visit.draft_checked([])
             return None
         rung, d = m.rungs[m.rung], g.draft
         refused = check_draft(draft, own, [s.logprob for s in scored], rung, above.name, d.verify_gap, start)
-        if refused is None and d.drift_bound is not None and m.params.greedy:
+        if refused is None and d.drift_bound is not None and self._drifts(m):
             refused = check_drift(draft, scored, visit.flags, rung, above.name, d.drift_window, d.drift_bound, start)
         self.checks["refused" if refused else "passed"] += 1
         if refused is not None and refused.check == "drift":
@@ -368,6 +376,12 @@ class RemotePool:
         if refused is None:
             visit.draft_checked([s.rank == 1 for s in scored])
         return refused
+
+    @staticmethod
+    def _drifts(m: RequestMachine) -> bool:
+        """Whether the drift window holds this answer (a greedy one, with the window on): sampled
+        answers are not fp32's argmax by design, and keep the draft check alone."""
+        return m.config.guard.draft.drift_bound is not None and m.params.greedy
 
     def _suspect(self, m: RequestMachine, j: int, own: list[float]) -> bool:
         """Whether a draft is worth the standby's prefill: a flagged input, or an unsure rung."""

@@ -15,9 +15,9 @@ So every accepted token is rung 1's greedy token on the same context: the answer
 answer (up to its own prefill/decode rounding), at one prefill per window. The machine counts
 rung 1 as the rung that decides (`decided_by`), as in-process verified decoding does. k doubles
 after a window where every draft stood (to K_MAX) and halves after one where one did not (to
-K_MIN). Rung 0 unreachable, or no draft standing in NO_PROGRESS windows in a row: rung 1 writes the
-rest alone (`MoveTo(1)`: the same answer). Rung 1 failing: the request ends as rung 1's hazards
-end, with the fallback (nothing unverified is released). Sampled requests are not drafted
+K_MIN). Rung 0 unreachable, a draft past the deadline, or no draft standing in NO_PROGRESS windows
+in a row: rung 1 writes the rest alone (`MoveTo(1)`: the same answer). Rung 1 failing: the request
+ends as rung 1's hazards end, with the fallback (nothing unverified is released). Sampled requests are not drafted
 (`ServingEngine` starts them on rung 1: rejection sampling needs both rungs' whole rows, which a
 stream does not carry).
 """
@@ -61,11 +61,16 @@ async def run_verified(pool: RemotePool, m: RequestMachine) -> Move | None:
             return None
         if not pool.health[0] or stuck >= NO_PROGRESS:
             return MoveTo(1, poisoned=False)
-        n = min(k, m.params.max_tokens - m.step - 1)  # room for rung 1's own token
+        # room for rung 1's own token, in the answer and in both rungs' contexts
+        n = min(k, m.params.max_tokens - m.step - 1, min(m.n_ctx) - len(m.context) - 1)
         drafts, hazard = await _draft(pool, m, n) if n > 0 else ([], None)
+        if m.done is not None:  # aborted while drafting
+            return None
         try:
             verdict = await asyncio.wait_for(verifier.verify(client, m.context, drafts), pool.config.check_timeout_s)
         except (RemoteStreamError, httpx.HTTPError, TimeoutError) as exc:
+            if not isinstance(exc, RemoteStreamError):
+                pool.unhealthy(1)
             return m.on_hazard(Hazard("engine_error", m.rungs[1], m.step, detail=f"vLLM could not verify: {exc!r}"),
                                None)
         if hazard is not None:
@@ -73,9 +78,10 @@ async def run_verified(pool: RemotePool, m: RequestMachine) -> Move | None:
         stood = next((i for i, s in enumerate(verdict.scored) if s.rank != 1), len(drafts))
         own = verdict.scored[stood].best if stood < len(drafts) else verdict.next.token_id
         lp = verdict.scored[stood].logprob if stood < len(drafts) else verdict.next.logprob
-        if own is None or (stood == len(drafts) and (lp is None or not math.isfinite(lp))):
+        if (own is None or not 0 <= own < verifier.n_vocab
+                or (stood == len(drafts) and (lp is None or not math.isfinite(lp)))):
             return m.on_hazard(Hazard("nonfinite", m.rungs[1], m.step + stood,
-                                      detail="vLLM's verdict has no finite token to give"), None)
+                                      detail=f"vLLM's verdict has no finite token to give ({own})"), None)
         m.rec.verified(len(drafts), stood)
         pool.verified["windows"] += 1
         pool.verified["drafted"] += len(drafts)
@@ -86,8 +92,11 @@ async def run_verified(pool: RemotePool, m: RequestMachine) -> Move | None:
                 return None
             if not isinstance(action, Continue):  # no other action comes to a verified request here
                 raise AssertionError(f"a verified window got {action!r}")
-        stuck = stuck + 1 if drafts and stood == 0 else 0
-        k = min(K_MAX, 2 * k) if stood == len(drafts) else max(K_MIN, k // 2)
+        if n > 0 and stood == 0:  # rung 0 gave nothing that stood (refused, or failed at once)
+            stuck = NO_PROGRESS if hazard is not None and hazard.check == "deadline" else stuck + 1
+        elif stood:
+            stuck = 0
+        k = min(K_MAX, 2 * k) if drafts and stood == len(drafts) else max(K_MIN, k // 2)
 
 
 async def _draft(pool: RemotePool, m: RequestMachine, n: int) -> tuple[list[int], Hazard | None]:
@@ -99,6 +108,9 @@ async def _draft(pool: RemotePool, m: RequestMachine, n: int) -> tuple[list[int]
     try:
         async with contextlib.aclosing(stream) as items:
             while len(drafts) < n:
+                if pool.aborts.is_aborted(m.request_id):
+                    m.finish(FinishReason.ABORT)
+                    return drafts, None
                 try:
                     item = await asyncio.wait_for(anext(items), timeout=limit + 0.05)
                 except TimeoutError:

@@ -259,7 +259,7 @@ class RequestMachine:
         self.rec.close_handoff(self.clock(), self.step)
         h = self.hazards[-1] if self.hazards else None
         if (h is not None and h.check == "repetition" and h.value is not None and h.step == self.step
-                and h.rung == self.rungs[self.rung]):  # not a rejected draft's (verified decoding)
+                and self.token_rungs and h.rung == self.token_rungs[-1]):  # not a rejected draft's (verified)
             self.stream.keep_one_period(int(h.value))
         self._release(final=True)
         ids = self.stream.final_ids

@@ -256,6 +256,8 @@ class RemotePool:
         deadline = m.config.guard.step_deadline_s
         faults = fault_seam.token_faults(m.req.faults) if j == 0 else None  # step faults hit the rung under test only
         visit = RemoteVisit(m)
+        if visit.ended:  # what the visit released (the last rung's held tokens) ended it
+            return None
         n_check = self._hold_window(visit, j)
         stream = rung.stream(self._client, m.context, m.params, max(1, m.params.max_tokens - m.step))
         async with contextlib.aclosing(stream) as items:
@@ -305,6 +307,8 @@ class RemotePool:
                     return hazard
                 lp = _logprob(item, m.params.logprobs) if m.logprobs is not None else None
                 action = m.accept_token(t, lp)
+                if isinstance(action, Done):  # a stop string in what was released (before any held window)
+                    return None
                 if m.unchecked and (isinstance(action, Confirm | MoveTo | Verify) or m.step >= n_check):
                     if (refused := await self._check_draft(visit, j)) is not None:
                         return refused

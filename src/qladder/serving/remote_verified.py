@@ -62,7 +62,10 @@ async def run_verified(pool: RemotePool, m: RequestMachine) -> Move | None:
         if not pool.health[0] or stuck >= NO_PROGRESS:
             return MoveTo(1, poisoned=False)
         # room for rung 1's own token, in the answer and in both rungs' contexts
-        n = min(k, m.params.max_tokens - m.step - 1, min(m.n_ctx) - len(m.context) - 1)
+        room = min(m.n_ctx[0], m.n_ctx[1]) - len(m.context) - 1
+        if room <= 0 < m.params.max_tokens - m.step - 1:  # llama-server's context is full: vLLM goes on alone
+            return MoveTo(1, poisoned=False)
+        n = min(k, m.params.max_tokens - m.step - 1, room)
         drafts, hazard = await _draft(pool, m, n) if n > 0 else ([], None)
         if m.done is not None:  # aborted while drafting
             return None
@@ -92,8 +95,10 @@ async def run_verified(pool: RemotePool, m: RequestMachine) -> Move | None:
                 return None
             if not isinstance(action, Continue):  # no other action comes to a verified request here
                 raise AssertionError(f"a verified window got {action!r}")
-        if n > 0 and stood == 0:  # rung 0 gave nothing that stood (refused, or failed at once)
-            stuck = NO_PROGRESS if hazard is not None and hazard.check == "deadline" else stuck + 1
+        if hazard is not None and hazard.check == "deadline":  # rung 0 too slow to draft: vLLM alone
+            stuck = NO_PROGRESS
+        elif n > 0 and stood == 0:  # rung 0 gave nothing that stood (refused, or failed at once)
+            stuck += 1
         elif stood:
             stuck = 0
         k = min(K_MAX, 2 * k) if drafts and stood == len(drafts) else max(K_MIN, k // 2)

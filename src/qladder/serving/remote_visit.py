@@ -33,6 +33,11 @@ class RemoteVisit:
         self.hold = r.diffuse_window - 1 if self.climb and g.check_logits and r.diffuse_logprob is not None else 0
         m.hold(self.hold)
 
+    @property
+    def ended(self) -> bool:
+        """The request ended (what a hold released completed a stop string)."""
+        return self.m.done is not None
+
     def judge(self, tok: RemoteToken, took_s: float, n_vocab: int, expected_bytes: bytes | None) -> Hazard | None:
         """The verdict on a token the rung sampled and streamed: the deadline, then check_remote."""
         m = self.m

@@ -25,7 +25,6 @@ Usage: python bench/heldout_corruptions.py [OUT] [--prompts N] [--answer N] [--d
 """
 
 import argparse
-import dataclasses
 import json
 import platform
 import sys
@@ -42,7 +41,7 @@ from qladder.peers.llama_server import LlamaServer
 from qladder.peers.vllm import VllmServer
 from qladder.sampling import SamplingParams
 from qladder.server.serve import build_server
-from qladder.server.topology import PoolConfig, Topology
+from qladder.server.topology import Topology, remote_topology
 from qladder.validate.corpora import load_corpora
 from qladder.validate.fault_models import TEST_FAULT_MODELS
 from qladder.validate.garbage import judge
@@ -87,13 +86,9 @@ def main() -> int:
             gguf = Path(d) / f"{name}.gguf"
             patch_scales(info.path, gguf, **patch)  # type: ignore[arg-type]
             with LlamaServer(gguf, n_parallel=4, threads=1, n_ctx_per_slot=2048) as ls:
-                t = Topology()
-                pools = (PoolConfig("edge", ("llama-server",), slots=4, weight=1.0, handoff_to="gpu", url=ls.base_url),
-                         PoolConfig("gpu", ("vllm",), sessions=4, url=vllm.base_url))
                 drift = {} if a.drift_bound is None else {"drift_bound": a.drift_bound}
-                t = dataclasses.replace(t, pools=pools, server=dataclasses.replace(
-                    t.server, incidents=f"{d}/{name}.db", **drift))  # type: ignore[arg-type]
-                server = build_server(t, settings)
+                server = build_server(remote_topology(ls.base_url, vllm.base_url, incidents=f"{d}/{name}.db", **drift),
+                                      settings)
                 se = server.engine
                 counts = {"prompts": 0, "bare_garbage": 0, "default_garbage": 0, "default_garbage_beyond_fp32": 0,
                           "default_fp32_identical": 0, "verified_identical": 0, "default_handed_off": 0}

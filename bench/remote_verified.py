@@ -14,7 +14,6 @@ exactness (verified text equal to vLLM's, per prompt); the windows, drafts and d
 Usage: python bench/remote_verified.py [N [ANSWER]]   (12, 64)
 """
 
-import dataclasses
 import json
 import platform
 import statistics
@@ -31,7 +30,7 @@ from qladder.peers.llama_server import LlamaServer
 from qladder.peers.vllm import VllmServer
 from qladder.sampling import SamplingParams
 from qladder.server.serve import build_server
-from qladder.server.topology import PoolConfig, Topology
+from qladder.server.topology import remote_topology
 from qladder.validate.corpora import load_corpora
 
 
@@ -49,11 +48,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d, \
             VllmServer(fp32_checkpoint(info, settings.cache_dir), threads=1) as vllm, \
             LlamaServer(info.path, n_parallel=4, threads=1, n_ctx_per_slot=2048) as ls:
-        t = Topology()
-        pools = (PoolConfig("edge", ("llama-server",), slots=4, weight=1.0, handoff_to="gpu", url=ls.base_url),
-                 PoolConfig("gpu", ("vllm",), sessions=4, url=vllm.base_url))
-        t = dataclasses.replace(t, pools=pools, server=dataclasses.replace(
-            t.server, incidents=f"{d}/incidents.db", drift_bound=0.0))
+        t = remote_topology(ls.base_url, vllm.base_url, incidents=f"{d}/incidents.db", drift_bound=0.0)
         server = build_server(t, settings)
         se = server.engine
         try:

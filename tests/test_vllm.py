@@ -19,7 +19,7 @@ from qladder.model import user_prompt_ids
 from qladder.peers.llama_server import LlamaServer
 from qladder.server.breaker import BreakerConfig
 from qladder.server.serve import Server, build_server
-from qladder.server.topology import PoolConfig, Topology
+from qladder.server.topology import remote_topology
 from qladder.serving.remote_verified import NO_PROGRESS
 from qladder.validate.corpora import load_corpora
 
@@ -33,12 +33,9 @@ MODEL = "smollm2-135m-instruct"
 @contextlib.contextmanager
 def serving(llama_url: str, vllm_url: str, tmp_path, breaker: BreakerConfig | None = None, **server: object
             ) -> Iterator[tuple[Server, str]]:
-    t = Topology()
-    pools = (PoolConfig("edge", ("llama-server",), slots=4, weight=1.0, handoff_to="gpu", url=llama_url),
-             PoolConfig("gpu", ("vllm",), sessions=4, url=vllm_url))
-    t = dataclasses.replace(t, pools=pools, breaker=breaker or t.breaker,
-                            server=dataclasses.replace(t.server, incidents=str(tmp_path / "incidents.db"),
-                                                       **server))  # type: ignore[arg-type]
+    t = remote_topology(llama_url, vllm_url, incidents=str(tmp_path / "incidents.db"), **server)
+    if breaker is not None:
+        t = dataclasses.replace(t, breaker=breaker)
     server = build_server(t)
     try:
         with live_app(server.app) as base:

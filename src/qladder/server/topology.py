@@ -73,7 +73,7 @@ requests that need it). Every mistake in a file is reported at start-up, one lin
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,16 @@ class ServerSettings:
 class ModelSettings:
     path: str = ""
     n_ctx: int = 2048
+
+
+def remote_topology(llama_url: str, vllm_url: str, **server: Any) -> Topology:
+    """The topology in front of two serving engines: an INT4 pool ("edge", 4 slots) on a
+    llama-server handing off to a full-precision pool ("gpu", 4 sessions) on a vLLM, with
+    `server` replacing [server] settings (benchmarks and tests)."""
+    t = Topology()
+    pools = (PoolConfig("edge", ("llama-server",), slots=4, weight=1.0, handoff_to="gpu", url=llama_url),
+             PoolConfig("gpu", ("vllm",), sessions=4, url=vllm_url))
+    return replace(t, pools=pools, server=replace(t.server, **server))
 
 
 def default_pools() -> tuple[PoolConfig, ...]:

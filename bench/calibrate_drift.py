@@ -29,24 +29,20 @@ from pathlib import Path
 import httpx
 
 from qladder.config import Settings
-from qladder.engines.llamacpp import LlamaVocab
 from qladder.engines.remote_vllm import draft_scores, score_body
 from qladder.engines.torch_engine import fp32_checkpoint
-from qladder.errors import InputError
 from qladder.health.remote import window_agreements
 from qladder.model import inspect_model
 from qladder.peers.llama_server import LlamaServer
 from qladder.peers.vllm import VllmServer
 from qladder.percentiles import percentile
-from qladder.prepare import Preparer
-from qladder.validate.corpora import Prompt, load_corpora, train
-from qladder.validate.gguf_patch import corrupt_gguf_scale, glitch_gguf
+from qladder.validate.corpora import Prompt
+from train_populations import populations, train_prompts
 
 FIRST = 8  # GuardConfig.draft.verify_tokens: the held draft
 WINDOWS = (8, 16, 32)
 BOUNDS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)
 MAX_CONTEXT = 512
-GLITCH_CLASSES = ("emoji_zwj",)
 
 
 def answer(url: str, ids: list[int], n: int) -> list[int]:
@@ -82,18 +78,7 @@ def main() -> None:
     stride = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     settings = Settings.from_env()
     info = inspect_model(None, settings.cache_dir)
-    vocab = LlamaVocab(info)
-    preparer = Preparer(info, vocab.tokenize, 2048)
-    normal, abnormal = (train(ps) for ps in load_corpora())  # the train half only
-
-    def enc(p: Prompt) -> list[int] | None:
-        raw = p.prompt if isinstance(p.prompt, bytes) else p.prompt.encode("utf-8", "surrogatepass")
-        try:
-            return preparer.encode_messages([{"role": "user", "content": raw.decode("utf-8", "replace")}], n)[0]
-        except InputError:
-            return None
-
-    ids = {p.id: enc(p) for p in normal + abnormal}
+    normal, abnormal, ids = train_prompts(info, n)
     t0 = time.perf_counter()
     out: dict[str, object] = {"answer_tokens": n, "first_window": FIRST, "stride": stride, "max_context": MAX_CONTEXT,
                               "slots": 4, "llama_threads": 1, "vllm_threads": 1,
@@ -101,14 +86,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d, VllmServer(fp32_checkpoint(info, settings.cache_dir), threads=1,
                                                        extra=("--enforce-eager",)) as vllm:
         model = httpx.get(f"{vllm.base_url}/v1/models").json()["data"][0]["id"]
-        bad, glitch = Path(d) / "corrupted.gguf", Path(d) / "glitch.gguf"
-        corrupt_gguf_scale(info.path, bad, x=1000.0)
-        glitch_gguf(info.path, glitch, x=1000.0)
-        runs = (("clean_normal_greedy", info.path, normal[::stride]),
-                ("clean_abnormal_greedy", info.path, abnormal[::stride]),
-                ("corrupted_normal_greedy", bad, normal[::4 * stride]),
-                ("corrupted_abnormal_greedy", bad, abnormal[::2 * stride]),
-                ("glitch_emoji_greedy", glitch, [p for p in abnormal if p.cls in GLITCH_CLASSES]))
+        runs = populations(info, Path(d), normal, abnormal, stride)
         for name, gguf, prompts in runs:
             todo = [p for p in prompts if ids[p.id] and len(ids[p.id]) <= MAX_CONTEXT]  # type: ignore[arg-type]
             with LlamaServer(gguf, n_parallel=4, threads=1, n_ctx_per_slot=2048) as ls, cf.ThreadPoolExecutor(4) as ex:

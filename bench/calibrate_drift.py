@@ -31,7 +31,7 @@ import httpx
 from qladder.config import Settings
 from qladder.engines.remote_vllm import draft_scores, score_body
 from qladder.engines.torch_engine import fp32_checkpoint
-from qladder.health.remote import window_agreements
+from qladder.health.drift import window_agreements
 from qladder.model import inspect_model
 from qladder.peers.llama_server import LlamaServer
 from qladder.peers.vllm import VllmServer

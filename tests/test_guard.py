@@ -437,10 +437,10 @@ def test_token_faults_hit_their_step_only():
 
 
 def test_check_drift_refuses_a_window_that_leaves_fp32s_argmax_from_its_first_departure():
-    from qladder.health.remote import Scored, check_drift, window_agreements
+    from qladder.health.drift import check_drift, window_agreements
 
-    def scored(flags):
-        return [Scored(-0.1 if f else -3.0, 1 if f else 7) for f in flags]
+    def scored(flags):  # the rung above's own argmax or not, per token
+        return list(flags)
 
     clean = [True] * 6 + [False] + [True] * 9  # one paraphrase in 16
     assert check_drift(list(range(16)), scored(clean), [], "llama-server", "vllm", 16, 0.5) is None

@@ -66,7 +66,7 @@ def test_window_size_adapts_to_agreement():
 def test_reconcile_keeps_the_lookahead_only_when_the_new_context_is_what_was_drafted():
     d = Drafts(base=[1, 2, 3], n_prompt=2, params=SamplingParams(), eos_ids=frozenset({0}), n_ctx=100)
     d.ids = [10, 11, 12, 13, 14]
-    ids, _ = d.window()
+    ids = d.window().ids
     assert ids == (10, 11, 12, 13, 14) and d.away and not d.ready()
     d.ids += [15, 16]  # drafted on while away
     # every draft stood, and the verifier's own next token is the next draft: 16 stays a draft
@@ -308,3 +308,81 @@ def test_a_verified_request_never_returns_to_int4_alone(served):
     assert not r.handoffs and r.timings["verify_windows"] >= 2
     _until(lambda: se.scheduler.slots_in_use == 0 and se.aborts.live == 0, "every slot freed")
     assert not se._drafting
+
+
+# -- checked windows (a greedy INT4 answer's drift windows, scored by the rung above) -------------
+
+def _checked_machine(max_tokens: int = 64):
+    from qladder.client import Request
+    from qladder.health.guard import StepGuard
+    from qladder.machine import RequestMachine
+    from qladder.policy import LadderConfig
+
+    cfg = LadderConfig()
+    return RequestMachine(Request("r", (1, 2, 3), SamplingParams(max_tokens=max_tokens)), ["int4", "fp32"],
+                          [512, 512], frozenset({0}), lambda ids: b"".join(b"%d " % i for i in ids), cfg,
+                          StepGuard(cfg.guard))
+
+
+def _rows(argmaxes: list[int], vocab: int = 64) -> torch.Tensor:
+    """The rung above's rows, each with its argmax where given."""
+    rows = torch.zeros(len(argmaxes), vocab)
+    for i, t in enumerate(argmaxes):
+        rows[i, t] = 5.0
+    return rows
+
+
+def test_a_checked_window_stands_as_int4s_tokens_and_a_refused_one_moves_from_its_first_departure():
+    from qladder.actions import Continue, Drafted, MoveTo
+    from qladder.serving.verify import check
+
+    m = _checked_machine()
+    ids = (10, 11, 12, 13, 14, 15, 16, 17)  # fp32 would say 40 at 3 and 41 at 6: paraphrases, 6 of 8 agree
+    action, flags, refused = check(m, _rows([10, 11, 12, 40, 14, 15, 41, 17, 18]), Drafted(1, ids, checked=True),
+                                   [], 16, 0.5)
+    assert isinstance(action, Continue) and refused is None
+    assert m.accepted == list(ids) and m.token_rungs == ["int4"] * 8  # INT4's own tokens, 13 and 16 included
+    assert flags == [True, True, True, False, True, True, False, True]
+    # the next window leaves fp32's argmax from its second token: (6 + 1) of the last 16 agree < 0.75
+    ids2 = (20, 21, 22, 23, 24, 25, 26, 27)
+    action, _, refused = check(m, _rows([20, 30, 31, 32, 33, 34, 35, 36, 37]), Drafted(1, ids2, checked=True),
+                               flags, 16, 0.75)
+    assert refused is not None and refused.check == "drift" and refused.step == 9
+    assert refused.value == pytest.approx(7 / 16)
+    assert isinstance(action, MoveTo) and action.rung == 1  # the rest of the answer is fp32's
+    assert m.accepted == [*ids, 20] and [h.check for h in m.hazards] == ["drift"]
+    assert m.token_rungs == ["int4"] * 9
+
+
+def test_a_checked_window_passes_its_drafts_then_acts_on_the_hazard_drafted_after_them():
+    from qladder.actions import Drafted, MoveTo
+    from qladder.serving.verify import check
+    from qladder.types import Hazard
+
+    m = _checked_machine()
+    nan = Hazard("nonfinite", "int4", 4, float("nan"), None)
+    action, _, refused = check(m, _rows([10, 11, 12, 13, 50]), Drafted(1, (10, 11, 12, 13), nan, checked=True),
+                               [], 16, 0.5)
+    assert refused is None and isinstance(action, MoveTo) and action.rung == 1
+    assert m.accepted == [10, 11, 12, 13] and [h.check for h in m.hazards] == ["nonfinite"]
+
+
+@pytest.mark.parametrize("fp32_says, ends", [(7, True), (9, False)])
+def test_a_loop_in_a_checked_window_is_confirmed_on_the_rung_aboves_row(fp32_says, ends):
+    """The repetition rule runs as the window's tokens are accepted; the rung above's row at the
+    loop's next position says whether the loop is the model's own (fp32 would go on with it: the
+    answer ends, one copy kept) or INT4's (the rest is fp32's)."""
+    from qladder.actions import Done, Drafted, MoveTo
+    from qladder.serving.verify import check
+    from qladder.types import FinishReason
+
+    m = _checked_machine()
+    ids = (7,) * 16
+    rows = _rows([7] * 12 + [fp32_says] * 5)
+    action, flags, _ = check(m, rows, Drafted(1, ids, checked=True), [], 16, 0.5)
+    assert [h.check for h in m.hazards] == ["repetition"] and m.hazards[0].step == 12
+    assert len(flags) == 12
+    if ends:
+        assert isinstance(action, Done) and action.result.finish_reason == FinishReason.REPETITION
+    else:
+        assert isinstance(action, MoveTo) and action.rung == 1 and m.accepted == [7] * 12

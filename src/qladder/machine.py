@@ -69,7 +69,7 @@ def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
 DRIVER_VIEW = frozenset({
     # read
     "request_id", "req", "params", "config", "guard", "rungs", "rung", "prompt", "context", "accepted",
-    "step", "logprobs", "unchecked", "left_at", "rec", "done", "eos_ids", "n_ctx",
+    "step", "logprobs", "unchecked", "left_at", "rec", "done", "eos_ids", "n_ctx", "audit",
     # call
     "on_hazard", "on_verify", "moved", "finish", "accept_token", "hold", "decided_by",
 })
@@ -187,8 +187,9 @@ class RequestMachine:
             self.emit(TokenEvent(self.request_id, self.stream.ids[start:start + n],
                                  self.token_rungs[start:start + n], text, lps))
 
-    def on_hazard(self, hazard: Hazard, row: torch.Tensor | None) -> Move:
-        """Drop the step; record the hazard; ask the policy (a repetition first asks the next rung)."""
+    def on_hazard(self, hazard: Hazard, row: torch.Tensor | int | None) -> Move:
+        """Drop the step; record the hazard; ask the policy (a repetition first asks the next rung
+        whether it would take the row's argmax, `row` or the row itself, too)."""
         self.left_at = now = self.clock()  # the handoff's latency counts from here
         self.rec.close_handoff(now, self.step)  # a handoff whose new rung failed before its first token
         if hazard.check in ("verify", "drift"):  # the standby refused token `step`: continue from the ones before it
@@ -198,7 +199,7 @@ class RequestMachine:
         self.unchecked, self.streak = False, 0
         self._note(hazard)
         if hazard.check == "repetition" and row is not None and self.rung + 1 < len(self.rungs):
-            self.pending_hazard, self.pending_row_argmax = hazard, int(row.argmax())
+            self.pending_hazard, self.pending_row_argmax = hazard, row if isinstance(row, int) else int(row.argmax())
             return Verify(self.rung + 1)
         return self._decide(hazard, None)
 

@@ -79,7 +79,7 @@ class DraftCheck:
     # byte-fallback tokens), and those whose mean logprob on their own rung is under this bound
     # (the rung was unsure); the rest are released unscored. None: score every draft.
     verify_suspect_logprob: float | None = -1.25
-    # The drift window (health/remote.check_drift): past the draft, every `drift_window` tokens of a
+    # The drift window (health/drift.check_drift): past the draft, every `drift_window` tokens of a
     # greedy answer are held and scored the same way, and a window where the rung above's own argmax
     # is under `drift_bound` of the last `drift_window` tokens is refused from its first token that is
     # not. None: off (past the draft, tokens are released as they come). bench/calibrate_drift.py on

@@ -23,13 +23,11 @@ are those the stream allows, before the token is forwarded:
   answer continues from the tokens before it on the standby. The way speculative decoding checks
   a draft, with a tolerance: an INT4 rung's clean answers differ from fp32's, a corrupted one's
   are tokens fp32 would not say (bench/calibrate_verify.py).
-- drift (`check_drift`): past the draft, a greedy answer's tokens are held in windows of
-  `drift_window` and scored the same way; the scorer says, per token, whether it is its own argmax
-  there (rank 1, teacher-forced). A window where that share over the last `drift_window` tokens is
-  under `drift_bound` is refused from its first token that is not: the exactness rule of verified
-  decoding with a tolerance, for the finite corruption a likelihood tolerance passes (fluent
-  loops, confident salad, plausible wrong answers). Clean INT4 answers paraphrase now and then;
-  corrupted ones leave fp32's argmax (bench/calibrate_drift.py).
+- drift (`health/drift.check_drift`): past the draft, a greedy answer's tokens are held in
+  windows of `drift_window` and scored the same way; the scorer says, per token, whether it is its
+  own argmax there (rank 1, teacher-forced), and a window whose share of it falls under
+  `drift_bound` is refused from its first token that is not (the rule the in-process scheduler's
+  checked windows apply too).
 The driver adds `deadline` (an inter-token gap past `step_deadline_s`) and `engine_error` (a
 dropped connection, a 5xx, a malformed chunk).
 """
@@ -116,43 +114,3 @@ def check_draft(draft: Sequence[int], own: Sequence[float], standby: Sequence[fl
             return Hazard("verify", rung, start + i, lq - lp, gap,
                           detail=f"{by} gives token {t} a logprob of {lp:.2f}, against {lq:.2f} on {rung}")
     return None
-
-
-def drift_agreement(flags: Sequence[bool], held: int, window: int) -> float:
-    """The share of fp32's argmax among the last max(window, held) scored tokens (`flags`: per
-    token, whether it is fp32's argmax; the last `held` are the window under check, the ones
-    before it already passed)."""
-    tail = flags[-max(window, held):]
-    return sum(tail) / len(tail) if tail else 1.0
-
-
-def window_agreements(flags: Sequence[bool], first: int, window: int) -> list[float]:
-    """`drift_agreement` at each check of an answer whose tokens' flags are `flags`, as the remote
-    pool checks them: the first `first` tokens, then every `window` tokens, then the rest at the
-    end (bench/calibrate_drift.py)."""
-    out, start = [], 0
-    while start < len(flags):
-        end = min(len(flags), start + (first if start == 0 else window))
-        out.append(drift_agreement(flags[:end], end - start, window))
-        start = end
-    return out
-
-
-def check_drift(draft: Sequence[int], scored: Sequence[Scored], before: Sequence[bool], rung: str, by: str,
-                window: int, bound: float, start: int = 0) -> Hazard | None:
-    """The drift window: the held tokens `draft` (the answer's from index `start`), `scored` by the
-    rung above, after `before` (the flags of the tokens of this visit it already passed). When the
-    share of the rung above's own argmax among the last max(window, held) tokens is under `bound`
-    (a clean INT4 answer paraphrases now and then, a corrupted one drifts away), the first held
-    token that is not its argmax is refused: the answer continues from the tokens before it on
-    the rung above. None: the window passes."""
-    flags = [s.rank == 1 for s in scored]
-    share = drift_agreement([*before, *flags], len(flags), window)
-    if share >= bound:
-        return None
-    k = next((i for i, f in enumerate(flags) if not f), None)
-    if k is None:  # every held token is its argmax: the low share is the window before, already out
-        return None
-    n = min(len(before) + len(flags), max(window, len(flags)))
-    return Hazard("drift", rung, start + k, share, bound,
-                  detail=f"{by}'s argmax is {share:.0%} of the last {n} tokens; token {draft[k]} is not it")

@@ -15,6 +15,11 @@ A drafted row the guard refuses ends the drafting there: the verifying rung take
 rejected draft). A second refusal with no draft between them means INT4 keeps failing on this
 request: it leaves verified decoding by an ordinary handoff (`LEAVE_AFTER` strikes).
 
+A checked request (a greedy INT4 answer with the drift window on: `checked`) drafts the same way,
+but its windows are only scored: the drafts stand as INT4's tokens unless the drift rule refuses
+the window, and then the rest of the answer is full precision's (serving/verify.check). Its drafts
+carry INT4's logprobs where the request asked for them.
+
 `next_k` adapts the window to the measured agreement: a window that stood whole grows by 2 (up to
 `K_MAX`), one that did not shrinks to what stood plus one (at least `K_MIN`). Pure functions of
 their arguments; the state is the scheduler thread's.
@@ -25,14 +30,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from qladder.actions import StepFailed
+from qladder.actions import Drafted, StepFailed
 from qladder.engines.base import StepOutput
-from qladder.health.guard import StepGuard
-from qladder.sampling import Sampler, SamplingParams
+from qladder.health.guard import GuardConfig, StepGuard
+from qladder.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 from qladder.types import Hazard
 
 K_START, K_MIN, K_MAX = 6, 2, 16
 LEAVE_AFTER = 2
+
+
+def holds_windows(params: SamplingParams, guard: GuardConfig) -> bool:
+    """Whether an INT4 answer is checked in drift windows (where a rung above can score them): a
+    greedy one, with the logits checks and the drift rule on. A sampled answer is not fp32's
+    argmax by design (its windows would be refused for what sampling is for)."""
+    d = guard.draft
+    return params.greedy and guard.check_logits and d.drift_bound is not None and d.drift_window > 0
 
 
 def should_draft(drafting: int, standby_busy: int, limit: int) -> bool:
@@ -69,6 +82,8 @@ class Drafts:
     away: bool = False  # the machine is at the verifying rung
     sent: int = 0  # drafts in the window out for verification
     k: int = K_START
+    checked: bool = False  # a checked window's drafts: scored, not decided (see the module docstring)
+    lps: list[TokenLogprob | None] = field(default_factory=list)  # a checked request's, beside `ids`
 
     @property
     def position(self) -> int:
@@ -104,6 +119,9 @@ class Drafts:
             self.ids.append(self.sampler.sample(out.row, pos))
         else:
             self.ids.append(native_argmax() if native_argmax is not None else int(out.row.argmax()))
+        if self.checked:
+            k = self.params.logprobs
+            self.lps.append(token_logprob(out.row, self.ids[-1], k) if k is not None else None)
         return None
 
     def wants_row(self) -> bool:
@@ -115,12 +133,13 @@ class Drafts:
         """Home with a window to send (or nothing more to draft: the verifying rung steps alone)."""
         return not self.away and (len(self.ids) >= self.k or self.stopped)
 
-    def window(self) -> tuple[tuple[int, ...], Hazard | None]:
-        """The drafts to send now (up to k: the windows do not depend on timing) and the hazard
-        after them, if they reach it; marks them sent."""
+    def window(self, rung: int = 1) -> Drafted:
+        """The drafts to send now to `rung` (up to k: the windows do not depend on timing) and
+        the hazard after them, if they reach it; marks them sent."""
         n = min(len(self.ids), self.k)
         self.sent, self.away = n, True
-        return tuple(self.ids[:n]), self.hazard if n == len(self.ids) else None
+        return Drafted(rung, tuple(self.ids[:n]), self.hazard if n == len(self.ids) else None,
+                       self.checked, tuple(self.lps[:n]))
 
     def reconcile(self, context: list[int]) -> int:
         """The machine is back with `context` (prompt + accepted). Keeps the drafts that are still
@@ -135,8 +154,9 @@ class Drafts:
         self.k = next_k(self.k, self.sent, kept)
         if lcp == len(context):  # the new context is what was drafted: the rest stands as drafts
             self.ids = self.ids[len(context) - len(self.base):]
+            self.lps = self.lps[len(context) - len(self.base):]
         else:
-            self.ids = []
+            self.ids, self.lps = [], []
             self.hazard = None
         self.base = list(context)
         self.away, self.sent = False, 0

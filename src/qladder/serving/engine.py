@@ -176,6 +176,7 @@ class ServingEngine:
                                            c.scheduler, clock=clock, cores=self.cores)
             if self.standby is not None:
                 self.scheduler.keep_drafting = self._keep_drafting
+                self.scheduler.checks = 1 in self.standby.engines  # drift windows scored in-process
                 self.scheduler.left_drafting = self._drafted
                 self.standby.on_left = self._left_verification
 
@@ -410,6 +411,9 @@ class ServingEngine:
                 # answers whose first tokens the remote standby checked, refused, or could not check
                 **({f"drafts_{k}": v for k, v in self.remote.checks.items()} if self.remote else {}),
                 **({f"verified_{k}": v for k, v in self.remote.verified.items()} if self.remote else {}),
+                # in-process: greedy INT4 answers' drift windows the standby scored, and refused
+                **({"checked_windows": self.standby.checked, "drift_refused": self.standby.drift_refused}
+                   if self.standby else {}),
                 **self._audit_stats()}
 
     def _audit_stats(self) -> dict[str, float]:

@@ -39,7 +39,8 @@ from qladder import fault_seam
 from qladder.actions import Confirm, Continue, Done, Drafted, Leave, Move, MoveTo, Verify
 from qladder.engines.remote import RemoteEnd, RemoteRung
 from qladder.errors import ConfigError, EngineDeadError, EngineError, QueueFullError, RemoteStreamError
-from qladder.health.remote import RemoteToken, check_draft, check_drift
+from qladder.health.drift import check_drift
+from qladder.health.remote import RemoteToken, check_draft
 from qladder.machine import RequestMachine
 from qladder.sampling import SamplingParams, TokenLogprob
 from qladder.serving.aborts import AbortRegistry
@@ -373,7 +374,8 @@ class RemotePool:
         rung, d = m.rungs[m.rung], g.draft
         refused = check_draft(draft, own, [s.logprob for s in scored], rung, above.name, d.verify_gap, start)
         if refused is None and d.drift_bound is not None and self._drifts(m):
-            refused = check_drift(draft, scored, visit.flags, rung, above.name, d.drift_window, d.drift_bound, start)
+            refused = check_drift(draft, [s.rank == 1 for s in scored], visit.flags, rung, above.name,
+                                  d.drift_window, d.drift_bound, start)
         self.checks["refused" if refused else "passed"] += 1
         if refused is not None and refused.check == "drift":
             self.checks["drift"] += 1

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from qladder import fault_seam
-from qladder.actions import Action, Continue, Done, Drafted, Leave, MoveTo, StepFailed, Verify
+from qladder.actions import Action, Continue, Done, Leave, MoveTo, StepFailed, Verify
 from qladder.engines.base import StepOutput
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
 from qladder.errors import EngineDeadError, EngineError, QueueFullError
@@ -47,7 +47,7 @@ from qladder.machine import RequestMachine, step
 from qladder.sampling import Sampler
 from qladder.serving.aborts import AbortRegistry
 from qladder.serving.cores import Cores
-from qladder.serving.drafts import LEAVE_AFTER, Drafts
+from qladder.serving.drafts import LEAVE_AFTER, Drafts, holds_windows
 from qladder.serving.handoffs import RungPool
 from qladder.types import FinishReason, Hazard
 
@@ -81,7 +81,7 @@ class _Slot:
     faults: RowFaults | None = None  # test machinery, only on a request that carries step faults
     gain: bool = False  # a gain fault set on this slot's rows (cleared at release)
     chunked: bool = False  # its peaks hold earlier, unjudged prefill chunks (carried to the next)
-    drafts: Drafts | None = None  # a verified request's drafts (serving/drafts.py)
+    drafts: Drafts | None = None  # a verified or checked request's drafts (serving/drafts.py)
 
     @property
     def away(self) -> bool:
@@ -108,6 +108,7 @@ class Int4Scheduler:
         self.engine = engine
         self.cores = cores
         self.keep_drafting: Callable[[str], bool] | None = None  # set by the serving engine (its policy)
+        self.checks = False  # set by the serving engine: rung 1 scores greedy answers' drift windows
         self.stopped_drafting = 0  # verified requests that went on at the verifying rung alone
         self.left_drafting: Callable[[str], None] | None = None  # tells the engine's policy
         self.standby = standby
@@ -257,14 +258,18 @@ class Int4Scheduler:
                 self._waiting.append(s)
             else:
                 self._count(+1)
-                s.returning = s.drafts is None  # a verified request is not handed back: it re-drafts
+                s.returning = s.drafts is None or s.drafts.checked  # a verified one is not handed back: it re-drafts
                 self._waiting.appendleft(s)
 
     def _drafts(self, m: RequestMachine) -> Drafts | None:
-        if not m.req.verified:
+        """A verified request's drafts, or a checked one's (its drift windows, where rung 1 scores
+        them; not an audited answer's: the drift audit measures INT4's answers as they come)."""
+        checked = (not m.req.verified and self.checks and m.audit is None
+                   and holds_windows(m.params, m.config.guard))
+        if not (m.req.verified or checked):
             return None
         sampler = None if m.params.greedy else Sampler(m.params, coupled=True)
-        return Drafts(m.context, len(m.prompt), m.params, m.eos_ids, min(m.n_ctx), sampler)
+        return Drafts(m.context, len(m.prompt), m.params, m.eos_ids, min(m.n_ctx), sampler, checked=checked)
 
     def _resume(self, m: RequestMachine) -> None:
         """A verified request is back: free its slot if it ended, else keep what of its drafts and
@@ -499,13 +504,13 @@ class Int4Scheduler:
         d = s.drafts
         if d is None or not d.ready():
             return
-        if self.keep_drafting is not None and d.hazard is None and not self.keep_drafting(s.m.request_id):
+        if (not d.checked and self.keep_drafting is not None and d.hazard is None
+                and not self.keep_drafting(s.m.request_id)):
             s.drafts = None
             self.stopped_drafting += 1
             self._leave(s, MoveTo(1, poisoned=False))
             return
-        ids, hazard = d.window()
-        self._to_standby(s.m, Drafted(1, ids, hazard))
+        self._to_standby(s.m, d.window())
 
     def _leave(self, s: _Slot, action: Action) -> None:
         """The request leaves the pool: done, or to the standby (its slot freed either way)."""

@@ -12,7 +12,9 @@ touches it again) with what to carry out:
     Verify(j)    a repetition: rung j's greedy token on the same context -> m.on_verify
     Drafted(j)   verified decoding: rung j decides the drafts in one forward (serving/verify.py),
                  then the machine goes back to rung 0 (`on_checked`) to draft on; the session
-                 stays here, keyed by the request, until the request ends
+                 stays here, keyed by the request, until the request ends. A checked window
+                 (a greedy INT4 answer's drift window) the same, but rung j only scores INT4's
+                 tokens (verify.check); a refused one goes on here as an ordinary handoff
 
 A policy return to rung 0 (`return_after`) hands the machine back to `on_return`; a move to a rung
 this pool does not run (a remote one) hands it to `forward`.
@@ -109,12 +111,15 @@ class StandbyPool:
         self._waiting: deque[_Task] = deque()
         self._active: list[_Task] = []
         self._kept: dict[str, tuple[RequestMachine, Session]] = {}  # verified requests' sessions
+        self._flags: dict[str, list[bool]] = {}  # a checked request's last flags (verify.check)
         self._n_handoffs = 0
         self.waits_ms: deque[float] = deque(maxlen=1024)  # queue wait of recent handoffs
         self.forwards = 0  # batched forwards run
         self.windows = 0  # draft windows decided
         self.drafts = 0  # drafts in them
         self.drafts_kept = 0  # drafts that stood
+        self.checked = 0  # checked windows scored (greedy INT4 answers' drift windows)
+        self.drift_refused = 0  # checked windows the drift rule refused
         self.bugs: list[BaseException] = []  # exceptions of our own code, raised again by close()
         self._thread = threading.Thread(target=self._run, name="qladder-standby", daemon=True)
         for e in self.engines.values():
@@ -210,6 +215,7 @@ class StandbyPool:
     def _sweep(self) -> None:
         """Close the kept sessions of verified requests that have ended (anywhere)."""
         for rid in [r for r in self._kept if not self.aborts.is_live(r)]:
+            self._flags.pop(rid, None)
             with contextlib.suppress(Exception):
                 self._kept.pop(rid)[1].close()
 
@@ -229,6 +235,7 @@ class StandbyPool:
     def _close(self, t: _Task) -> None:
         """Close the task's session, and the request's kept verifying session (it leaves verification)."""
         kept = self._kept.pop(t.m.request_id, None)
+        self._flags.pop(t.m.request_id, None)
         for s in {id(x): x for x in (t.session, kept[1] if kept is not None else None) if x is not None}.values():
             with contextlib.suppress(Exception):
                 s.close()
@@ -334,7 +341,8 @@ class StandbyPool:
                 return self._open_failed(t, d.rung, str(exc))
             self._kept[m.request_id] = (m, t.session)
             self._pending(t.session)  # dropped: the window below starts at the context's first id
-        m.decided_by(d.rung, d.hazard)
+        if not d.checked:  # a checked window's tokens stay INT4's (the rung above only scores them)
+            m.decided_by(d.rung, d.hazard)
         t.rung, t.feed = d.rung, verify.window(m, t.session.n_tokens, d)
         t.rows, t.opened = len(d.ids) + 1, True
         return False
@@ -452,6 +460,8 @@ class StandbyPool:
             t.action = step(m, got, 0.0)
             return self._settle(t)
         rows, out, took = got
+        if isinstance(action, Drafted) and action.checked:
+            return self._checked(t, action, rows)
         if isinstance(action, Drafted):
             self.windows += 1
             self.drafts += len(action.ids)
@@ -467,6 +477,17 @@ class StandbyPool:
             m.moved(action.rung, len(m.context), warm=False)  # climbing here: this row is its first step
         t.action = step(m, out, took)
         return self._settle(t)
+
+    def _checked(self, t: _Task, d: Drafted, rows: torch.Tensor) -> bool:
+        """A checked window scored: INT4's tokens stand, or the drift rule refused the window."""
+        m, g = t.m, t.m.config.guard.draft
+        assert g.drift_bound is not None
+        before = self._flags.setdefault(m.request_id, [])
+        t.action, flags, refused = verify.check(m, rows, d, before, g.drift_window, g.drift_bound)
+        before[:] = (before + flags)[-g.drift_window:]
+        self.checked += 1
+        self.drift_refused += refused is not None
+        return self._after_window(t)
 
     def _settle(self, t: _Task) -> bool:
         if isinstance(t.action, Done):

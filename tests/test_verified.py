@@ -312,6 +312,26 @@ def test_a_verified_request_never_returns_to_int4_alone(served):
 
 # -- checked windows (a greedy INT4 answer's drift windows, scored by the rung above) -------------
 
+def test_checked_drafts_open_with_an_empty_window_start_short_and_draft_on_while_away():
+    from qladder.serving.drafts import K_FIRST_CHECKED
+
+    d = Drafts(base=[1, 2, 3], n_prompt=3, params=SamplingParams(), eos_ids=frozenset({0}), n_ctx=100, checked=True)
+    assert d.k == K_FIRST_CHECKED
+    first = d.window()  # at admission: the context alone, evaluated while the slot prefills and drafts
+    assert first.ids == () and first.checked and d.away
+    d.ids = [10, 11, 12, 13, 14]  # drafted meanwhile
+    assert d.reconcile([1, 2, 3]) == 3 and d.k == K_FIRST_CHECKED  # an empty window says nothing of k
+    assert d.ids == [10, 11, 12, 13, 14] and d.ready()
+    w = d.window()  # everything drafted goes (up to K_MAX), not just k
+    assert w.ids == (10, 11, 12, 13, 14) and w.checked
+    d.ids += list(range(20, 20 + K_MAX - 1))
+    assert d.wants_row()  # away: up to K_MAX ahead of the window out
+    d.ids.append(99)
+    assert not d.wants_row()
+    d.reconcile([1, 2, 3, 10, 11, 12, 13, 14])  # the window stood whole: the rest stand as drafts
+    assert d.ids[0] == 20 and d.k == K_FIRST_CHECKED + 2
+
+
 def _checked_machine(max_tokens: int = 64):
     from qladder.client import Request
     from qladder.health.guard import StepGuard

@@ -37,6 +37,9 @@ from qladder.sampling import Sampler, SamplingParams, TokenLogprob, token_logpro
 from qladder.types import Hazard
 
 K_START, K_MIN, K_MAX = 6, 2, 16
+# A checked request's first window: its first tokens wait for it (one fp32 forward, ~0.1 s here,
+# whatever its length), so it is short; the windows after it grow as they stand.
+K_FIRST_CHECKED = 2
 LEAVE_AFTER = 2
 
 
@@ -85,6 +88,10 @@ class Drafts:
     checked: bool = False  # a checked window's drafts: scored, not decided (see the module docstring)
     lps: list[TokenLogprob | None] = field(default_factory=list)  # a checked request's, beside `ids`
 
+    def __post_init__(self) -> None:
+        if self.checked:
+            self.k = K_FIRST_CHECKED
+
     @property
     def position(self) -> int:
         """The answer's step the next draft is for."""
@@ -125,9 +132,10 @@ class Drafts:
         return None
 
     def wants_row(self) -> bool:
-        """Whether the slot should decode for a next draft (home: up to a window; away: one ahead)."""
+        """Whether the slot should decode for a next draft (home: up to a window; away: one ahead;
+        a checked request's, up to K_MAX ahead: its drafts stand unless its window is refused)."""
         ahead = len(self.ids) - (self.sent if self.away else 0)
-        return not self.stopped and ahead < self.k
+        return not self.stopped and ahead < (K_MAX if self.checked and self.away else self.k)
 
     def ready(self) -> bool:
         """Home with a window to send (or nothing more to draft: the verifying rung steps alone)."""
@@ -136,7 +144,7 @@ class Drafts:
     def window(self, rung: int = 1) -> Drafted:
         """The drafts to send now to `rung` (up to k: the windows do not depend on timing) and
         the hazard after them, if they reach it; marks them sent."""
-        n = min(len(self.ids), self.k)
+        n = min(len(self.ids), K_MAX if self.checked else self.k)  # a checked request sends what it has
         self.sent, self.away = n, True
         return Drafted(rung, tuple(self.ids[:n]), self.hazard if n == len(self.ids) else None,
                        self.checked, tuple(self.lps[:n]))
@@ -151,7 +159,8 @@ class Drafts:
                 break
             lcp += 1
         kept = min(lcp, len(self.base) + self.sent) - len(self.base)
-        self.k = next_k(self.k, self.sent, kept)
+        if self.sent:  # an empty window (a checked request's first: the context alone) says nothing of k
+            self.k = next_k(self.k, self.sent, kept)
         if lcp == len(context):  # the new context is what was drafted: the rest stands as drafts
             self.ids = self.ids[len(context) - len(self.base):]
             self.lps = self.lps[len(context) - len(self.base):]

@@ -331,6 +331,10 @@ class Int4Scheduler:
             # The request's gain faults, if any: an activation outlier through the real kernels, this slot only.
             s.gain = fault_seam.slot_gains(self.engine, s.slot, s.m.req.faults)
             self.slot_log.append((self.steps, "admit", s.m.request_id, s.slot))
+            if s.drafts is not None and s.drafts.checked and not s.drafts.ids:
+                # an empty first window: rung 1 evaluates the context while this slot prefills and
+                # drafts, so the first real window costs it only the drafts (the time to first text)
+                self._to_standby(s.m, s.drafts.window())
 
     def _release(self, s: _Slot) -> None:
         """Free a slot at once: its KV removed, the slot reusable by the next step's admission."""

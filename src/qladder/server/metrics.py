@@ -86,6 +86,11 @@ class ServerMetrics:
             depth.labels(pools["standby"]).set_function(read("standby_depth"))
             busy.labels(pools["standby"]).set_function(read("standby_active"))
         live.set_function(read("live"))
+        windows = Gauge("qladder_checked_windows", "In-process drift windows of greedy INT4 answers: scored by "
+                        "the standby, refused by the drift rule, answers admitted unchecked (standby full)",
+                        ["what"], registry=r)
+        for what, key in (("scored", "checked_windows"), ("refused", "drift_refused"), ("skipped", "checks_skipped")):
+            windows.labels(what).set_function(read(key))
 
     def watch_breakers(self, breakers: dict[str, Breaker]) -> None:
         for name, b in breakers.items():

@@ -412,7 +412,8 @@ class ServingEngine:
                 **({f"drafts_{k}": v for k, v in self.remote.checks.items()} if self.remote else {}),
                 **({f"verified_{k}": v for k, v in self.remote.verified.items()} if self.remote else {}),
                 # in-process: greedy INT4 answers' drift windows the standby scored, and refused
-                **({"checked_windows": self.standby.checked, "drift_refused": self.standby.drift_refused}
+                **({"checked_windows": self.standby.checked, "drift_refused": self.standby.drift_refused,
+                    "checks_skipped": self.scheduler.unchecked if isinstance(self.scheduler, Int4Scheduler) else 0}
                    if self.standby else {}),
                 **self._audit_stats()}
 

@@ -109,6 +109,7 @@ class Int4Scheduler:
         self.cores = cores
         self.keep_drafting: Callable[[str], bool] | None = None  # set by the serving engine (its policy)
         self.checks = False  # set by the serving engine: rung 1 scores greedy answers' drift windows
+        self.unchecked = 0  # answers that would have been checked, admitted while the standby was full
         self.stopped_drafting = 0  # verified requests that went on at the verifying rung alone
         self.left_drafting: Callable[[str], None] | None = None  # tells the engine's policy
         self.standby = standby
@@ -331,10 +332,14 @@ class Int4Scheduler:
             # The request's gain faults, if any: an activation outlier through the real kernels, this slot only.
             s.gain = fault_seam.slot_gains(self.engine, s.slot, s.m.req.faults)
             self.slot_log.append((self.steps, "admit", s.m.request_id, s.slot))
-            if s.drafts is not None and s.drafts.checked and not s.drafts.ids:
+            if s.drafts is not None and s.drafts.checked and not s.drafts.ids and self.standby is not None:
                 # an empty first window: rung 1 evaluates the context while this slot prefills and
                 # drafts, so the first real window costs it only the drafts (the time to first text)
-                self._to_standby(s.m, s.drafts.window())
+                try:
+                    self.standby.submit(s.m, s.drafts.window())
+                except QueueFullError:  # the standby's queue is full: this answer goes unchecked
+                    s.drafts = None
+                    self.unchecked += 1
 
     def _release(self, s: _Slot) -> None:
         """Free a slot at once: its KV removed, the slot reusable by the next step's admission."""

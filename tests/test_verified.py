@@ -319,17 +319,17 @@ def test_checked_drafts_open_with_an_empty_window_start_short_and_draft_on_while
     assert d.k == K_FIRST_CHECKED
     first = d.window()  # at admission: the context alone, evaluated while the slot prefills and drafts
     assert first.ids == () and first.checked and d.away
-    d.ids = [10, 11, 12, 13, 14]  # drafted meanwhile
+    d.ids = list(range(10, 10 + K_FIRST_CHECKED + 3))  # drafted meanwhile
     assert d.reconcile([1, 2, 3]) == 3 and d.k == K_FIRST_CHECKED  # an empty window says nothing of k
-    assert d.ids == [10, 11, 12, 13, 14] and d.ready()
-    w = d.window()  # everything drafted goes (up to K_MAX), not just k
-    assert w.ids == (10, 11, 12, 13, 14) and w.checked
-    d.ids += list(range(20, 20 + K_MAX - 1))
+    assert d.ready()
+    w = d.window()  # k of them (the windows do not depend on timing)
+    assert w.ids == tuple(range(10, 10 + K_FIRST_CHECKED)) and w.checked
+    d.ids += list(range(30, 30 + K_MAX - 4))
     assert d.wants_row()  # away: up to K_MAX ahead of the window out
     d.ids.append(99)
     assert not d.wants_row()
-    d.reconcile([1, 2, 3, 10, 11, 12, 13, 14])  # the window stood whole: the rest stand as drafts
-    assert d.ids[0] == 20 and d.k == K_FIRST_CHECKED + 2
+    d.reconcile([1, 2, 3, *range(10, 10 + K_FIRST_CHECKED)])  # the window stood whole: the rest stand as drafts
+    assert d.ids[0] == 10 + K_FIRST_CHECKED and d.k == K_FIRST_CHECKED + 2
 
 
 def _checked_machine(max_tokens: int = 64):

@@ -37,9 +37,9 @@ from qladder.sampling import Sampler, SamplingParams, TokenLogprob, token_logpro
 from qladder.types import Hazard
 
 K_START, K_MIN, K_MAX = 6, 2, 16
-# A checked request's first window: its first tokens wait for it (one fp32 forward, ~0.1 s here,
-# whatever its length), so it is short; the windows after it grow as they stand.
-K_FIRST_CHECKED = 2
+# A checked request's first window: the drift rule's calibration judged an answer's first 8 tokens
+# at once (bench/calibrate_drift.py), so its windows start there and grow by 2 as they stand.
+K_FIRST_CHECKED = 8
 LEAVE_AFTER = 2
 
 
@@ -144,7 +144,7 @@ class Drafts:
     def window(self, rung: int = 1) -> Drafted:
         """The drafts to send now to `rung` (up to k: the windows do not depend on timing) and
         the hazard after them, if they reach it; marks them sent."""
-        n = min(len(self.ids), K_MAX if self.checked else self.k)  # a checked request sends what it has
+        n = min(len(self.ids), self.k)
         self.sent, self.away = n, True
         return Drafted(rung, tuple(self.ids[:n]), self.hazard if n == len(self.ids) else None,
                        self.checked, tuple(self.lps[:n]))
@@ -159,7 +159,7 @@ class Drafts:
                 break
             lcp += 1
         kept = min(lcp, len(self.base) + self.sent) - len(self.base)
-        if self.sent:  # an empty window (a checked request's first: the context alone) says nothing of k
+        if self.sent or not self.checked:  # a checked request's empty first window says nothing of k
             self.k = next_k(self.k, self.sent, kept)
         if lcp == len(context):  # the new context is what was drafted: the rest stands as drafts
             self.ids = self.ids[len(context) - len(self.base):]

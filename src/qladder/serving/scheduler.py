@@ -123,6 +123,7 @@ class Int4Scheduler:
         self._count_lock = threading.Lock()
         self._n_waiting = 0  # requests in the pool (waiting or in a slot), behind _count_lock
         self._slots: dict[int, _Slot] = {}
+        self._hung: dict[str, tuple[float, float]] = {}  # away requests of a hung decode: (deadline, took)
         self._free = list(range(engine.n_slots))
         self._flight_lock = threading.Lock()
         self._flight: _Flight | None = None
@@ -242,6 +243,7 @@ class Int4Scheduler:
                 rid = self._forgotten.get_nowait()
             except queue.Empty:
                 break
+            self._hung.pop(rid, None)
             for s in [s for s in self._slots.values() if s.away and s.m.request_id == rid]:
                 self._release(s)
         while True:
@@ -270,12 +272,18 @@ class Int4Scheduler:
         if not (m.req.verified or checked):
             return None
         sampler = None if m.params.greedy else Sampler(m.params, coupled=True)
-        return Drafts(m.context, len(m.prompt), m.params, m.eos_ids, min(m.n_ctx), sampler, checked=checked)
+        # a checked answer stays on rung 0: only rungs 0 and 1 bound its windows (a verified one may climb)
+        n_ctx = min(m.n_ctx[:2]) if checked else min(m.n_ctx)
+        return Drafts(m.context, len(m.prompt), m.params, m.eos_ids, n_ctx, sampler, checked=checked)
 
     def _resume(self, m: RequestMachine) -> None:
         """A verified request is back: free its slot if it ended, else keep what of its drafts and
         KV still stands, and draft on (a slot lost meanwhile: admitted again, its context prefilled)."""
         s = next((x for x in self._slots.values() if x.m is m), None)
+        hung = self._hung.pop(m.request_id, None)
+        if s is None and hung is not None and m.done is None:  # its row was in a hung decode: fp32 goes on
+            self._hand_off_hung(m, *hung)
+            return
         if s is None:
             if m.done is None:
                 self._count(+1)
@@ -301,6 +309,21 @@ class Int4Scheduler:
             self._give_up_drafting(s, d.hazard)
             return
         self._send(s)
+
+    def _hand_off_hung(self, m: RequestMachine, deadline: float, took: float) -> None:
+        """A drafting request whose row was in a decode the watchdog claimed while its machine was at
+        the standby: as the watchdog does for one that was here (INT4 failed it: the rest is fp32's)."""
+        m.decided_by(0, None)
+        if self.left_drafting is not None:
+            self.left_drafting(m.request_id)
+        if self.aborts.is_aborted(m.request_id):
+            m.finish(FinishReason.ABORT)
+            return
+        hazard = Hazard("deadline", m.rungs[m.rung], m.step, took, deadline,
+                        detail=f"int4 step hung for {took * 1e3:.0f} ms (watchdog)")
+        action = m.on_hazard(hazard, None)
+        if not isinstance(action, Done):
+            self._to_standby(m, action)
 
     def _drop_aborted(self) -> None:
         for s in [s for s in self._waiting if self.aborts.is_aborted(s.m.request_id)]:
@@ -438,6 +461,8 @@ class Int4Scheduler:
             claimed = flight.claimed
         if claimed:  # the watchdog moved these requests while the decode hung: discard its results
             for s in batch:
+                if s.away:  # at the standby: it gets its deadline hazard when it comes back (_resume)
+                    self._hung[s.m.request_id] = (flight.deadline_s, self.clock() - flight.started)
                 self._release(s)
             self.engine.clear_abort()
             self._probe()
@@ -513,13 +538,34 @@ class Int4Scheduler:
         d = s.drafts
         if d is None or not d.ready():
             return
+        if d.checked and not d.ids and d.hazard is None:  # the rung above's context is full: INT4 goes on alone
+            self._uncheck(s)
+            return
         if (not d.checked and self.keep_drafting is not None and d.hazard is None
                 and not self.keep_drafting(s.m.request_id)):
             s.drafts = None
             self.stopped_drafting += 1
             self._leave(s, MoveTo(1, poisoned=False))
             return
-        self._to_standby(s.m, d.window())
+        if not d.checked or self.standby is None:
+            self._to_standby(s.m, d.window())
+            return
+        try:
+            self.standby.submit(s.m, d.window())
+        except QueueFullError:  # the standby's queue is full: this answer goes on unchecked
+            self._uncheck(s)
+
+    def _uncheck(self, s: _Slot) -> None:
+        """A checked request goes on as a plain INT4 one: its drafts (not accepted) are dropped and
+        the slot's KV cut back to the context less its last token, which is fed again."""
+        m = s.m
+        s.drafts = None
+        self.unchecked += 1
+        keep = len(m.context) - 1
+        if s.n_past > keep:
+            self.engine.truncate(s.slot, keep)
+            s.n_past = keep
+        s.feed = m.context[s.n_past:]
 
     def _leave(self, s: _Slot, action: Action) -> None:
         """The request leaves the pool: done, or to the standby (its slot freed either way)."""

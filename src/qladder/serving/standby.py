@@ -449,9 +449,9 @@ class StandbyPool:
             m.moved(action.rung, len(m.context), warm=False)
         if isinstance(got, StepFailed):
             t.feed, t.rows = None, 1  # what was left of a context is moot: the session is not trusted
-            if isinstance(action, Drafted):
+            if isinstance(action, Drafted):  # the rung above failed (a checked window's machine is on rung 0)
                 self._close(t)
-                t.action = m.on_hazard(Hazard("engine_error", m.rungs[m.rung], m.step, detail=got.error), None)
+                t.action = m.on_hazard(Hazard("engine_error", m.rungs[action.rung], m.step, detail=got.error), None)
                 return self._after_window(t)
             if isinstance(action, Verify):
                 t.action = m.on_verify(None)  # the rung could not say
@@ -485,7 +485,7 @@ class StandbyPool:
         before = self._flags.setdefault(m.request_id, [])
         t.action, flags, refused = verify.check(m, rows, d, before, g.drift_window, g.drift_bound)
         before[:] = (before + flags)[-g.drift_window:]
-        self.checked += 1
+        self.checked += bool(d.ids)  # not the empty first window (the context alone)
         self.drift_refused += refused is not None
         return self._after_window(t)
 

@@ -282,7 +282,7 @@ class Int4Scheduler:
         s = next((x for x in self._slots.values() if x.m is m), None)
         hung = self._hung.pop(m.request_id, None)
         if s is None and hung is not None and m.done is None:  # its row was in a hung decode: fp32 goes on
-            self._hand_off_hung(m, *hung)
+            self._hand_off_hung(m, *hung, drafting=True)
             return
         if s is None:
             if m.done is None:
@@ -310,12 +310,17 @@ class Int4Scheduler:
             return
         self._send(s)
 
-    def _hand_off_hung(self, m: RequestMachine, deadline: float, took: float) -> None:
-        """A drafting request whose row was in a decode the watchdog claimed while its machine was at
-        the standby: as the watchdog does for one that was here (INT4 failed it: the rest is fp32's)."""
+    def _stop_drafting(self, m: RequestMachine) -> None:
+        """The request drafts no more: rung 0 is its rung again (the engine's policy is told)."""
         m.decided_by(0, None)
         if self.left_drafting is not None:
             self.left_drafting(m.request_id)
+
+    def _hand_off_hung(self, m: RequestMachine, deadline: float, took: float, drafting: bool) -> None:
+        """A request whose row was in a decode the watchdog claimed (found there by the watchdog's
+        thread, or back from the standby after it: `_resume`): INT4 failed it, the rest is fp32's."""
+        if drafting:
+            self._stop_drafting(m)
         if self.aborts.is_aborted(m.request_id):
             m.finish(FinishReason.ABORT)
             return
@@ -355,14 +360,10 @@ class Int4Scheduler:
             # The request's gain faults, if any: an activation outlier through the real kernels, this slot only.
             s.gain = fault_seam.slot_gains(self.engine, s.slot, s.m.req.faults)
             self.slot_log.append((self.steps, "admit", s.m.request_id, s.slot))
-            if s.drafts is not None and s.drafts.checked and not s.drafts.ids and self.standby is not None:
+            if s.drafts is not None and s.drafts.checked and not s.drafts.ids:
                 # an empty first window: rung 1 evaluates the context while this slot prefills and
                 # drafts, so the first real window costs it only the drafts (the time to first text)
-                try:
-                    self.standby.submit(s.m, s.drafts.window())
-                except QueueFullError:  # the standby's queue is full: this answer goes unchecked
-                    s.drafts = None
-                    self.unchecked += 1
+                self._check_window(s)
 
     def _release(self, s: _Slot) -> None:
         """Free a slot at once: its KV removed, the slot reusable by the next step's admission."""
@@ -526,9 +527,7 @@ class Int4Scheduler:
         """INT4's rows keep failing for a verified request: it leaves verified decoding (an
         ordinary hazard on rung 0, handed off: the verifying rung decodes the rest alone)."""
         s.drafts = None
-        s.m.decided_by(0, None)
-        if self.left_drafting is not None:
-            self.left_drafting(s.m.request_id)
+        self._stop_drafting(s.m)
         self._leave(s, s.m.on_hazard(hazard, None))
 
     def _send(self, s: _Slot) -> None:
@@ -547,12 +546,18 @@ class Int4Scheduler:
             self.stopped_drafting += 1
             self._leave(s, MoveTo(1, poisoned=False))
             return
-        if not d.checked or self.standby is None:
+        if d.checked:
+            self._check_window(s)
+        else:
             self._to_standby(s.m, d.window())
-            return
+
+    def _check_window(self, s: _Slot) -> None:
+        """A checked request's window to rung 1 (the machine goes with it); a full standby queue
+        leaves the answer unchecked on INT4, never a fallback."""
+        assert self.standby is not None and s.drafts is not None  # `checks` is set only with a standby
         try:
-            self.standby.submit(s.m, d.window())
-        except QueueFullError:  # the standby's queue is full: this answer goes on unchecked
+            self.standby.submit(s.m, s.drafts.window())
+        except QueueFullError:
             self._uncheck(s)
 
     def _uncheck(self, s: _Slot) -> None:
@@ -653,19 +658,7 @@ class Int4Scheduler:
             self.healthy = False
             self.engine.abort()
             for s in f.slots:
-                m = s.m
-                if s.away:  # the verifying rung has it: it comes back to a slot that is gone
+                if s.away:  # the standby has it: its hazard comes when it is back (_run_batch, _resume)
                     continue
-                if s.drafts is not None:  # a verified request here: INT4 failed it, fp32 goes on alone
-                    s.drafts = None
-                    m.decided_by(0, None)
-                    if self.left_drafting is not None:
-                        self.left_drafting(m.request_id)
-                if self.aborts.is_aborted(m.request_id):
-                    m.finish(FinishReason.ABORT)
-                    continue
-                hazard = Hazard("deadline", m.rungs[m.rung], m.step, took, f.deadline_s,
-                                detail=f"int4 step hung for {took * 1e3:.0f} ms (watchdog)")
-                action = m.on_hazard(hazard, None)
-                if not isinstance(action, Done):
-                    self._to_standby(m, action)
+                drafting, s.drafts = s.drafts is not None, None  # a drafting request: fp32 goes on alone
+                self._hand_off_hung(s.m, f.deadline_s, took, drafting)

@@ -44,6 +44,7 @@ from qladder.health.remote import RemoteToken, check_draft
 from qladder.machine import RequestMachine
 from qladder.sampling import SamplingParams, TokenLogprob
 from qladder.serving.aborts import AbortRegistry
+from qladder.serving.drafts import holds_windows
 from qladder.serving.remote_verified import run_verified
 from qladder.serving.remote_visit import RemoteVisit
 from qladder.types import FinishReason, Hazard
@@ -386,8 +387,9 @@ class RemotePool:
     @staticmethod
     def _drifts(m: RequestMachine) -> bool:
         """Whether the drift window holds this answer (a greedy one, with the window on): sampled
-        answers are not fp32's argmax by design, and keep the draft check alone."""
-        return m.config.guard.draft.drift_bound is not None and m.params.greedy
+        answers are not fp32's argmax by design, and keep the draft check alone. The in-process
+        scheduler's checked windows ask the same (`drafts.holds_windows`)."""
+        return holds_windows(m.params, m.config.guard)
 
     def _suspect(self, m: RequestMachine, j: int, own: list[float]) -> bool:
         """Whether a draft is worth the standby's prefill: a flagged input, or an unsure rung."""

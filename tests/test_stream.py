@@ -20,7 +20,7 @@ def run(ids, stops=(), loop=0):
     s = TextStream(pieces, stops, loop)
     shown = ""
     for t in ids:
-        s.push(t)
+        s.push(t, None)
         shown += s.release()[1]
         if s.stopped_at is not None:
             break
@@ -31,11 +31,11 @@ def run(ids, stops=(), loop=0):
 
 def test_a_character_split_over_tokens_waits_for_its_last_byte():
     s = TextStream(pieces)
-    s.push(4)
+    s.push(4, None)
     assert s.release() == (1, "a")
-    s.push(2)
+    s.push(2, None)
     assert s.release() == (0, "")  # "€" is not whole yet
-    s.push(3)
+    s.push(3, None)
     assert s.release() == (2, "€")
 
 
@@ -64,19 +64,19 @@ def test_a_stop_string_inside_a_token_cuts_that_token():
 
 def test_a_possible_stop_start_is_released_when_it_turns_out_not_to_be_one():
     s = TextStream(pieces, ("ab",))
-    s.push(4)
+    s.push(4, None)
     assert s.release() == (0, "")  # "a" might start "ab"
-    s.push(4)
+    s.push(4, None)
     assert s.release() == (1, "a")  # the first "a" is not a stop; the second still might be
 
 
 def test_a_repeating_tail_is_held_past_its_first_copy():
     s = TextStream(pieces, (), loop_max_period=4)
     for t in [4, 5, 9, 4, 5, 9, 4]:  # "ab ab a": a period-3 tail seen more than once
-        s.push(t)
+        s.push(t, None)
         s.release()
     assert s.text == "ab "
-    s.push(6)  # the loop breaks: everything is released
+    s.push(6, None)  # the loop breaks: everything is released
     s.release()
     assert s.text == "ab ab a\n"
 

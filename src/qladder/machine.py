@@ -1,15 +1,12 @@
 """One request's ladder logic as a state machine, stepped by whoever owns the engine it is on.
 
 Every driver that holds a row (the INT4 scheduler, a standby worker, the in-process ladder) calls
-
-    action = step(m, StepOutput(row, stats, peaks, ...) | StepFailed(error), took_s)
-             deadline, guard -> ok -> m.accept_row(row) | hazard -> m.on_hazard(...) -> policy
-
-The remote pool, whose server samples, judges a streamed token in its own room (RemoteVisit) and
-calls `m.accept_token` or `m.on_hazard`. Actions are in `actions.py`; the policy stays pure. The
-machine keeps the ladder state (rung, accepted ids, text stream, hazards, a pending verification),
-records through its Recorder (`m.rec`) and emits the request's events; it never touches an engine,
-so it can move between threads (an ownership transfer, never shared).
+`step(m, StepOutput | StepFailed, took_s)`: deadline, guard -> a token accepted | `m.on_hazard` ->
+policy. The remote pool, whose server samples, judges a streamed token in its own room and calls
+`m.accept_token` or `m.on_hazard`. The machine keeps the ladder state (rung, accepted ids, text
+stream, hazards, a pending verification), records through its Recorder (`m.rec`) and emits the
+request's events; it never touches an engine, so it can move between threads (an ownership
+transfer, never shared). Actions are in `actions.py`; the policy stays pure.
 """
 
 from __future__ import annotations
@@ -44,12 +41,11 @@ from qladder.types import (
 
 def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
          native_argmax: Callable[[], int] | None = None) -> Action:
-    """One step, the same for every driver that holds a row: judge what the engine gave (the
-    step deadline, then the guard), then accept a token or act on the hazard. `took_s` is the
-    step's time as the driver measured it (0.0 where a watchdog keeps the deadline);
-    `native_argmax` is the engine's own greedy token for `out.row` (a driver passes it only for
-    a row that no fault replaced), taken only for a greedy request. A request's injected faults
-    are the driver's: they reach here as the rows they make."""
+    """One step, the same for every driver that holds a row: judge what the engine gave (the step
+    deadline, then the guard), then accept a token (sampled, or for a greedy request the engine's
+    own `native_argmax`, which a driver passes only for a row no fault replaced) or act on the
+    hazard. `took_s`: the step's time as the driver measured it (0.0 where a watchdog keeps the
+    deadline). A request's injected faults are the driver's: they reach here as the rows they make."""
     name, deadline = m.rungs[m.rung], m.config.guard.step_deadline_s
     if isinstance(out, StepFailed):
         return m.on_hazard(Hazard("engine_error", name, m.step, detail=out.error), None)
@@ -60,8 +56,11 @@ def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
         hazard = m.guard.check(out.row, m.accepted, name, out.peaks, out.activation_limit, out.rest_peaks, out.stats)
     if hazard is not None:
         return m.on_hazard(hazard, out.row)
-    token = native_argmax() if native_argmax is not None and m.params.greedy else None
-    return m.accept_row(out.row, token)
+    token = native_argmax() if native_argmax is not None and m.params.greedy else m.sampler.sample(out.row, m.step)
+    if m.audit is not None and m.rung == 0:  # a drift audit's: INT4's top 5 here
+        m.audit.add(out.row)
+    k = m.params.logprobs
+    return m.accept_token(int(token), token_logprob(out.row, int(token), k) if k is not None else None)
 
 
 # What a driver may use of a machine, only to read or call (no driver assigns through `m`):
@@ -69,7 +68,7 @@ def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
 DRIVER_VIEW = frozenset({
     # read
     "request_id", "req", "params", "config", "guard", "rungs", "rung", "prompt", "context", "accepted",
-    "step", "logprobs", "unchecked", "left_at", "rec", "done", "eos_ids", "n_ctx", "audit",
+    "step", "unchecked", "left_at", "rec", "done", "eos_ids", "n_ctx", "audit",
     # call
     "on_hazard", "on_verify", "moved", "finish", "accept_token", "hold", "decided_by",
 })
@@ -82,7 +81,7 @@ class RequestMachine:
                  token_bytes: TokenBytes, config: LadderConfig, guard: StepGuard,
                  incidents: IncidentSink | None = None, emit: Callable[[Event], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter, audit: AuditTrail | None = None):
-        self.req = request
+        self.req, self.request_id = request, request.request_id
         self.prompt = list(request.prompt_ids)
         self.params = request.params
         self.rungs = list(rungs)
@@ -95,13 +94,12 @@ class RequestMachine:
         self.rec = Recorder(request.request_id, incidents if config.record_incidents else None, self.emit, clock)
         self.sampler = Sampler(request.params, coupled=request.verified)  # see Sampler
         g = config.guard
-        self.stream = TextStream(token_bytes, request.params.stop,
-                                 g.repetition_max_period if g.check_repetition else 0)
-        self.token_rungs: list[str] = []
+        # each accepted token's tag: its rung, its log-probability (when the request asked for them)
+        self.stream: TextStream[tuple[str, TokenLogprob | None]] = TextStream(
+            token_bytes, request.params.stop, g.repetition_max_period if g.check_repetition else 0)
         self.hazards: list[Hazard] = []
         self.rung = request.start_rung
         self.streak = 0
-        self.logprobs: list[TokenLogprob] | None = [] if request.params.logprobs is not None else None
         self.unchecked = False  # the answer's first tokens await the standby's check: none released
         self.pending_hazard: Hazard | None = None  # the repetition hazard awaiting verification
         self.pending_row_argmax: int | None = None
@@ -110,10 +108,6 @@ class RequestMachine:
         self.left_at = self.rec.t0  # when the last hazard (or policy move) decided to leave the rung
 
     # -- what drivers read ---------------------------------------------------------------------
-    @property
-    def request_id(self) -> str:
-        return self.req.request_id
-
     @property
     def accepted(self) -> list[int]:
         return self.stream.ids
@@ -140,15 +134,6 @@ class RequestMachine:
             if self.stream.stopped_at is not None:  # what it released completed a stop string
                 self.finish(FinishReason.STOP)
 
-    def accept_row(self, row: torch.Tensor, token: int | None = None) -> Action:
-        """A healthy row: sample it (or take the driver's greedy `token`), and accept the token."""
-        if token is None or not self.params.greedy:
-            token = self.sampler.sample(row, self.step)
-        if self.audit is not None and self.rung == 0:  # a drift audit's: INT4's top 5 here
-            self.audit.add(row)
-        lp = token_logprob(row, int(token), self.params.logprobs or 0) if self.logprobs is not None else None
-        return self.accept_token(int(token), lp)
-
     def accept_token(self, token: int, lp: TokenLogprob | None = None) -> Action:
         """Accept a healthy token (a row's, or one a remote rung sampled: no row here)."""
         now = self.clock()
@@ -157,10 +142,9 @@ class RequestMachine:
         if token in self.eos_ids and not self.params.ignore_eos:
             return self._end(FinishReason.STOP)
         self.rec.token(now)
-        self.stream.push(int(token))
-        self.token_rungs.append(self.rungs[self.rung])
-        if self.logprobs is not None:
-            self.logprobs.append(lp if lp is not None else TokenLogprob(token, float("nan")))
+        if self.params.logprobs is not None and lp is None:
+            lp = TokenLogprob(token, float("nan"))
+        self.stream.push(int(token), (self.rungs[self.rung], lp))
         self.streak += 1
         self._release()
         if self.stream.stopped_at is not None:
@@ -183,9 +167,11 @@ class RequestMachine:
         start = self.stream.released
         n, text = self.stream.release(final)
         if n:
-            lps = self.logprobs[start:start + n] if self.logprobs is not None else None
-            self.emit(TokenEvent(self.request_id, self.stream.ids[start:start + n],
-                                 self.token_rungs[start:start + n], text, lps))
+            ids, tags = self.stream.ids[start:start + n], self.stream.tags[start:start + n]
+            self.emit(TokenEvent(self.request_id, ids, [r for r, _ in tags], text, self._lps(tags)))
+
+    def _lps(self, tags: Sequence[tuple[str, TokenLogprob | None]]) -> list[TokenLogprob] | None:
+        return [lp for _, lp in tags if lp is not None] if self.params.logprobs is not None else None
 
     def on_hazard(self, hazard: Hazard, row: torch.Tensor | int | None) -> Move:
         """Drop the step; record the hazard; ask the policy (a repetition first asks the next rung
@@ -193,9 +179,9 @@ class RequestMachine:
         self.left_at = now = self.clock()  # the handoff's latency counts from here
         self.rec.close_handoff(now, self.step)  # a handoff whose new rung failed before its first token
         if hazard.check in ("verify", "drift"):  # the standby refused token `step`: continue from the ones before it
-            self._rollback_unreleased(hazard.step)
+            self.stream.truncate(hazard.step)  # (never below what was released)
         elif hazard.check == "diffuse" or self.unchecked:  # suspect, or never checked: roll back what was held
-            self._rollback_unreleased()
+            self.stream.truncate(0)
         self.unchecked, self.streak = False, 0
         self._note(hazard)
         if hazard.check == "repetition" and row is not None and self.rung + 1 < len(self.rungs):
@@ -219,15 +205,6 @@ class RequestMachine:
         if isinstance(action, Stop):
             return Done(self.finish(action.reason, fallback=action.fallback))
         return MoveTo(action.to, poisoned=True)
-
-    def _rollback_unreleased(self, keep: int = 0) -> None:
-        """Forget the accepted tokens past `keep` not yet released (the next rung continues from
-        the rest)."""
-        keep = max(keep, self.stream.released)
-        self.stream.truncate(keep)
-        del self.token_rungs[keep:]
-        if self.logprobs is not None:
-            del self.logprobs[keep:]
 
     def moved(self, to: int, caught: int, warm: bool) -> None:
         """The driver carried out a move: rung `to` holds the context (it evaluated `caught` ids).
@@ -260,20 +237,20 @@ class RequestMachine:
         self.rec.close_handoff(self.clock(), self.step)
         h = self.hazards[-1] if self.hazards else None
         if (h is not None and h.check == "repetition" and h.value is not None and h.step == self.step
-                and self.token_rungs and h.rung == self.token_rungs[-1]):  # not a rejected draft's (verified)
+                and self.stream.tags and h.rung == self.stream.tags[-1][0]):  # not a rejected draft's (verified)
             self.stream.keep_one_period(int(h.value))
         self._release(final=True)
         ids = self.stream.final_ids
-        text = FALLBACK_TEXT if fallback and not ids else self.stream.text
+        rungs = [rung for rung, _ in self.stream.tags[:len(ids)]]
         self.rec.total()
         self.rec.flush(None)
         if self.audit is not None:  # the answer's INT4-written start, to be re-scored in the background
-            self.audit.done(self.prompt, ids[:next((k for k, r in enumerate(self.token_rungs)
-                                                    if r != self.rungs[0]), len(ids))])
-        self.done = GenerationResult(text=text, token_ids=list(ids), token_rungs=self.token_rungs[:len(ids)],
-                                     finish_reason=reason, prompt_tokens=len(self.prompt),
-                                     hazards=list(self.hazards), handoffs=list(self.rec.handoffs),
-                                     fallback=fallback, timings=dict(self.rec.timings), step_ms=self.rec.step_ms,
-                                     logprobs=self.logprobs[:len(ids)] if self.logprobs is not None else None)
+            self.audit.done(self.prompt, ids[:next((k for k, r in enumerate(rungs) if r != self.rungs[0]), len(ids))])
+        self.done = GenerationResult(text=FALLBACK_TEXT if fallback and not ids else self.stream.text,
+                                     token_ids=list(ids), token_rungs=rungs, finish_reason=reason,
+                                     prompt_tokens=len(self.prompt), hazards=list(self.hazards),
+                                     handoffs=list(self.rec.handoffs), fallback=fallback,
+                                     timings=dict(self.rec.timings), step_ms=self.rec.step_ms,
+                                     logprobs=self._lps(self.stream.tags[:len(ids)]))
         self.emit(FinalEvent(self.request_id, self.done))
         return self.done

@@ -26,10 +26,12 @@ back:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 from qladder.health.repetition import loop_start
 
 TokenBytes = Callable[[Sequence[int]], bytes]
+Tag = TypeVar("Tag")
 
 
 def _complete(data: bytes) -> bool:
@@ -49,8 +51,10 @@ def decode(data: bytes) -> str:
     return data.decode("utf-8", "replace")
 
 
-class TextStream:
-    """The released part of one answer. `push` each accepted token, then read `release()`."""
+class TextStream(Generic[Tag]):
+    """The released part of one answer. `push` each accepted token with its tag (what the answer
+    reports per token: the machine's is its rung and its log-probability), then read `release()`.
+    A token's tag is dropped with it."""
 
     def __init__(self, token_bytes: TokenBytes, stops: Sequence[str] = (), loop_max_period: int = 0):
         self._bytes = token_bytes
@@ -58,20 +62,23 @@ class TextStream:
         self._max_stop = max((len(s) for s in self.stops), default=0)
         self.loop_max_period = loop_max_period
         self.ids: list[int] = []  # every accepted token, released or not
+        self.tags: list[Tag] = []  # one per id
         self._pieces: list[bytes] = []
         self.released = 0  # tokens released so far
         self.hold = 0  # the last `hold` accepted tokens stay unreleased until the answer ends
         self.text = ""  # their text
         self.stopped_at: int | None = None  # tokens kept when a stop string matched
 
-    def push(self, token: int) -> None:
+    def push(self, token: int, tag: Tag) -> None:
         self.ids.append(token)
+        self.tags.append(tag)
         self._pieces.append(self._bytes([token]))
 
     def truncate(self, n: int) -> None:
         """Forget accepted tokens past n (a loop withheld at the end); never below what was released."""
         n = max(n, self.released)
         del self.ids[n:]
+        del self.tags[n:]
         del self._pieces[n:]
 
     def keep_one_period(self, period: int) -> None:

@@ -307,7 +307,7 @@ class RemotePool:
                     if hazard.check == "deadline":
                         self.stalls += 1
                     return hazard
-                lp = _logprob(item, m.params.logprobs) if m.logprobs is not None else None
+                lp = _logprob(item, m.params.logprobs) if m.params.logprobs is not None else None
                 action = m.accept_token(t, lp)
                 if isinstance(action, Done):  # a stop string in what was released (before any held window)
                     return None

@@ -101,8 +101,7 @@ class RequestMachine:
         self.rung = request.start_rung
         self.streak = 0
         self.unchecked = False  # the answer's first tokens await the standby's check: none released
-        self.pending_hazard: Hazard | None = None  # the repetition hazard awaiting verification
-        self.pending_row_argmax: int | None = None
+        self.pending: tuple[Hazard, int] | None = None  # a repetition hazard awaiting verification, its argmax
         self.done: GenerationResult | None = None
         self.audit: AuditTrail | None = audit  # the drift audit's record of INT4's rows (qladder.audit)
         self.left_at = self.rec.t0  # when the last hazard (or policy move) decided to leave the rung
@@ -120,6 +119,10 @@ class RequestMachine:
     @property
     def context(self) -> list[int]:
         return self.prompt + self.stream.ids
+
+    @property
+    def token_rungs(self) -> list[str]:
+        return [rung for rung, _ in self.stream.tags]
 
     # -- one step --------------------------------------------------------------------------------
     def hold(self, n: int, check: bool = False) -> None:
@@ -185,15 +188,15 @@ class RequestMachine:
         self.unchecked, self.streak = False, 0
         self._note(hazard)
         if hazard.check == "repetition" and row is not None and self.rung + 1 < len(self.rungs):
-            self.pending_hazard, self.pending_row_argmax = hazard, row if isinstance(row, int) else int(row.argmax())
+            self.pending = hazard, row if isinstance(row, int) else int(row.argmax())
             return Verify(self.rung + 1)
         return self._decide(hazard, None)
 
     def on_verify(self, next_argmax: int | None) -> Move:
         """The next rung's greedy token on the same context (None: it failed to say)."""
-        hazard, self.pending_hazard = self.pending_hazard, None
-        assert hazard is not None
-        reproduced = None if next_argmax is None else next_argmax == self.pending_row_argmax
+        assert self.pending is not None
+        (hazard, argmax), self.pending = self.pending, None
+        reproduced = None if next_argmax is None else next_argmax == argmax
         return self._decide(hazard, reproduced)
 
     def _decide(self, hazard: Hazard, reproduced: bool | None) -> MoveTo | Done:
@@ -240,8 +243,7 @@ class RequestMachine:
                 and self.stream.tags and h.rung == self.stream.tags[-1][0]):  # not a rejected draft's (verified)
             self.stream.keep_one_period(int(h.value))
         self._release(final=True)
-        ids = self.stream.final_ids
-        rungs = [rung for rung, _ in self.stream.tags[:len(ids)]]
+        ids, rungs = self.stream.final_ids, self.token_rungs[:len(self.stream.final_ids)]
         self.rec.total()
         self.rec.flush(None)
         if self.audit is not None:  # the answer's INT4-written start, to be re-scored in the background

@@ -55,6 +55,27 @@ def test_incident_store_roundtrip_and_threads(tmp_path):
     store.close()
 
 
+def test_audit_rows_keep_their_source_and_a_store_from_before_the_column_gains_it(tmp_path):
+    import sqlite3
+
+    from qladder.audit import AuditRecord
+
+    path = tmp_path / "old.sqlite3"
+    with sqlite3.connect(path) as db:  # the audits table as it was before `source`
+        db.execute("CREATE TABLE audits (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, request_id TEXT"
+                   " NOT NULL, prompt_class TEXT NOT NULL, pool TEXT NOT NULL, tokens INTEGER NOT NULL, agreement"
+                   " REAL NOT NULL, first_divergence INTEGER, kl_top5 REAL NOT NULL, fp32_gap REAL NOT NULL)")
+        db.execute("INSERT INTO audits (ts, request_id, prompt_class, pool, tokens, agreement, kl_top5, fp32_gap)"
+                   " VALUES (1.0, 'old', 'qa', 'int4', 3, 1.0, 0.0, 0.0)")
+    db.close()
+    store = IncidentStore(path)
+    store.record_audits([AuditRecord("new", "math", "int4", 8, 0.875, 0, 0.01, 0.02, source="checked")])
+    rows = {r["request_id"]: r for r in store.audits()}
+    assert rows["old"]["source"] == "audit" and rows["new"]["source"] == "checked"
+    assert rows["new"]["first_divergence"] == 0 and rows["new"]["agreement"] == 0.875
+    store.close()
+
+
 def test_render_chat_keeps_user_content_apart():
     tpl = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

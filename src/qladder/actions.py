@@ -63,9 +63,11 @@ class Drafted:
     hazard: Hazard | None = None
     # A checked window (a greedy INT4 answer's drift window, not verified decoding): rung `rung`
     # scores the drafts and they stand as INT4's tokens unless the drift rule refuses the window
-    # (serving/verify.check); `lps`, INT4's logprobs of them where the request asked.
+    # (serving/verify.check); `lps`, INT4's logprobs of them where the request asked; `top`,
+    # INT4's top 5 (id, logprob) at each (the drift measures, qladder.audit).
     checked: bool = False
     lps: tuple[TokenLogprob | None, ...] = ()
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 Action = Continue | MoveTo | Verify | Done | Confirm

@@ -61,7 +61,8 @@ CREATE TABLE IF NOT EXISTS audits (
     agreement REAL NOT NULL,
     first_divergence INTEGER,
     kl_top5 REAL NOT NULL,
-    fp32_gap REAL NOT NULL
+    fp32_gap REAL NOT NULL,
+    source TEXT NOT NULL DEFAULT 'audit'
 );
 CREATE INDEX IF NOT EXISTS audits_ts ON audits(ts);
 """
@@ -106,6 +107,8 @@ class IncidentStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a committed row survives a process crash
         self._db.executescript(SCHEMA)
+        if "source" not in {r[1] for r in self._db.execute("PRAGMA table_info(audits)")}:  # a store from before it
+            self._db.execute("ALTER TABLE audits ADD COLUMN source TEXT NOT NULL DEFAULT 'audit'")
         self._lock = threading.Lock()
 
     def __call__(self, incident: Incident) -> None:
@@ -138,10 +141,10 @@ class IncidentStore:
 
     def record_audits(self, records: Sequence[AuditRecord]) -> None:
         rows = [(a.ts, _storable(a.request_id), a.prompt_class, a.pool, a.tokens, a.agreement, a.first_divergence,
-                 _finite(a.kl_top5), _finite(a.fp32_gap)) for a in records]
+                 _finite(a.kl_top5), _finite(a.fp32_gap), a.source) for a in records]
         with self._lock:
             self._db.executemany("INSERT INTO audits (ts, request_id, prompt_class, pool, tokens, agreement,"
-                                 " first_divergence, kl_top5, fp32_gap) VALUES (?,?,?,?,?,?,?,?,?)", rows)
+                                 " first_divergence, kl_top5, fp32_gap, source) VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
 
     def audits(self, limit: int = 1000, since: float | None = None) -> list[dict[str, Any]]:
         """The newest `limit` audit rows (at or after `since`), newest first."""

@@ -59,14 +59,16 @@ class ServerMetrics:
         self.rejected = Counter("qladder_rejected", "Requests refused before any token, by reason",
                                 ["reason"], registry=r)
         self.audit_agreement = Histogram("qladder_audit_agreement", "Drift audit: INT4's top-1 agreement with "
-                                         "full precision over an answer", ["prompt_class", "pool"],
+                                         "full precision over an answer (source: a sampled audit, or a checked "
+                                         "answer's windows)",
+                                         ["prompt_class", "pool", "source"],
                                          buckets=AGREEMENT_BUCKETS, registry=r)
         self.audit_kl = Histogram("qladder_audit_kl_top5", "Drift audit: mean KL(INT4 || fp32) over INT4's "
-                                  "top 5 tokens, per answer", ["prompt_class", "pool"], buckets=KL_BUCKETS,
+                                  "top 5 tokens, per answer", ["prompt_class", "pool", "source"], buckets=KL_BUCKETS,
                                   registry=r)
         self.audit_diverged = Counter("qladder_audit_answers", "Drift audit: answers scored, and whether "
                                       "INT4 left full precision's argmax anywhere",
-                                      ["prompt_class", "pool", "diverged"], registry=r)
+                                      ["prompt_class", "pool", "source", "diverged"], registry=r)
         self.verify = Counter("qladder_verified", "Verified decoding: windows decided, INT4 drafts in them, "
                               "drafts that stood (acceptance = kept / drafts)", ["what"], registry=r)
 
@@ -128,9 +130,9 @@ class ServerMetrics:
 
     def observe_audit(self, a: AuditRecord) -> None:
         """A drift audit's record (the standby's thread)."""
-        self.audit_agreement.labels(a.prompt_class, a.pool).observe(a.agreement)
-        self.audit_kl.labels(a.prompt_class, a.pool).observe(a.kl_top5)
-        self.audit_diverged.labels(a.prompt_class, a.pool, str(a.first_divergence is not None).lower()).inc()
+        self.audit_agreement.labels(a.prompt_class, a.pool, a.source).observe(a.agreement)
+        self.audit_kl.labels(a.prompt_class, a.pool, a.source).observe(a.kl_top5)
+        self.audit_diverged.labels(a.prompt_class, a.pool, a.source, str(a.first_divergence is not None).lower()).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -18,7 +18,8 @@ request: it leaves verified decoding by an ordinary handoff (`LEAVE_AFTER` strik
 A checked request (a greedy INT4 answer with the drift window on: `checked`) drafts the same way,
 but its windows are only scored: the drafts stand as INT4's tokens unless the drift rule refuses
 the window, and then the rest of the answer is full precision's (serving/verify.check). Its drafts
-carry INT4's logprobs where the request asked for them.
+carry INT4's logprobs where the request asked for them, and INT4's top 5 at each (the drift
+measures of qladder.audit, which the scored windows give for every checked answer).
 
 `next_k` adapts the window to the measured agreement: a window that stood whole grows by 2 (up to
 `K_MAX`), one that did not shrinks to what stood plus one (at least `K_MIN`). Pure functions of
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from qladder.actions import Drafted, StepFailed
+from qladder.audit import top_k
 from qladder.engines.base import StepOutput
 from qladder.health.guard import GuardConfig, StepGuard
 from qladder.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
@@ -87,6 +89,7 @@ class Drafts:
     k: int = K_START
     checked: bool = False  # a checked window's drafts: scored, not decided (see the module docstring)
     lps: list[TokenLogprob | None] = field(default_factory=list)  # a checked request's, beside `ids`
+    top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # the same: INT4's top 5
 
     def __post_init__(self) -> None:
         if self.checked:
@@ -129,6 +132,7 @@ class Drafts:
         if self.checked:
             k = self.params.logprobs
             self.lps.append(token_logprob(out.row, self.ids[-1], k) if k is not None else None)
+            self.top.append(top_k(out.row))
         return None
 
     def wants_row(self) -> bool:
@@ -147,7 +151,7 @@ class Drafts:
         n = min(len(self.ids), self.k)
         self.sent, self.away = n, True
         return Drafted(rung, tuple(self.ids[:n]), self.hazard if n == len(self.ids) else None,
-                       self.checked, tuple(self.lps[:n]))
+                       self.checked, tuple(self.lps[:n]), tuple(self.top[:n]))
 
     def reconcile(self, context: list[int]) -> int:
         """The machine is back with `context` (prompt + accepted). Keeps the drafts that are still
@@ -164,8 +168,9 @@ class Drafts:
         if lcp == len(context):  # the new context is what was drafted: the rest stands as drafts
             self.ids = self.ids[len(context) - len(self.base):]
             self.lps = self.lps[len(context) - len(self.base):]
+            self.top = self.top[len(context) - len(self.base):]
         else:
-            self.ids, self.lps = [], []
+            self.ids, self.lps, self.top = [], [], []
             self.hazard = None
         self.base = list(context)
         self.away, self.sent = False, 0

@@ -161,7 +161,8 @@ class ServingEngine:
                                    on_return=self._return, forward=self.handoffs.submit, clock=clock,
                                    on_checked=self._checked, verify_sessions=c.slots, cores=self.cores,
                                    threads=c.cores or c.standby_threads,
-                                   on_audit=self._audited if c.audit_rate > 0 else None, audit_queue=c.audit_queue) \
+                                   on_audit=self._audited if c.audit_rate > 0 else None, audit_queue=c.audit_queue,
+                                   on_drift=self._audited) \
             if local else None
         self.remote = RemotePool(remote, self.aborts, c.remote, forward=self.handoffs.submit, clock=clock) \
             if remote else None

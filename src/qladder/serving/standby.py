@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from qladder.actions import Action, Continue, Done, Drafted, Leave, MoveTo, StepFailed, Verify
-from qladder.audit import AuditJob, AuditRecord
+from qladder.audit import AuditJob, AuditRecord, merge, score
+from qladder.classify import classify
 from qladder.engines.base import Engine, Session, StepOutput
 from qladder.engines.torch_batch import BatchedTorch, BatchedTorchSession
 from qladder.engines.torch_engine import TorchEngine
@@ -85,12 +86,15 @@ class StandbyPool:
                  on_checked: Callable[[RequestMachine], None] | None = None,
                  verify_sessions: int = 12, prefill_chunk: int = 256, deadline_per_token_s: float = 0.02,
                  cores: Cores | None = None, threads: int = 1,
-                 on_audit: Callable[[AuditRecord], None] | None = None, audit_queue: int = 64):
+                 on_audit: Callable[[AuditRecord], None] | None = None, audit_queue: int = 64,
+                 on_drift: Callable[[AuditRecord], None] | None = None):
         """on_return: a policy move back to rung 0. forward: a move to a rung not here (a remote
         one; QueueFullError when its pool is full). on_checked: a verified request's window was
         decided (or it ended): back to rung 0. verify_sessions: verified requests' sessions kept
         at once, beside the handoffs'. A forward's time, less `deadline_per_token_s` for each
-        token past the first, is what a step's deadline sees (a context's chunk is not a stall)."""
+        token past the first, is what a step's deadline sees (a context's chunk is not a stall).
+        on_audit: a sampled drift audit's record; on_drift: a checked answer's, from its scored
+        windows (qladder.audit), when it leaves its checks (both on this pool's thread)."""
         self._given = dict(engines)
         self.engines = {j: batched(e, max_sessions + verify_sessions + 1) for j, e in engines.items()}
         self.forward = forward
@@ -112,6 +116,8 @@ class StandbyPool:
         self._active: list[_Task] = []
         self._kept: dict[str, tuple[RequestMachine, Session]] = {}  # verified requests' sessions
         self._flags: dict[str, list[bool]] = {}  # a checked request's last flags (verify.check)
+        self._drift: dict[str, AuditRecord] = {}  # a checked request's drift measures so far (audit.merge)
+        self.on_drift = on_drift
         self._n_handoffs = 0
         self.waits_ms: deque[float] = deque(maxlen=1024)  # queue wait of recent handoffs
         self.forwards = 0  # batched forwards run
@@ -215,7 +221,7 @@ class StandbyPool:
     def _sweep(self) -> None:
         """Close the kept sessions of verified requests that have ended (anywhere)."""
         for rid in [r for r in self._kept if not self.aborts.is_live(r)]:
-            self._flags.pop(rid, None)
+            self._forget_checks(rid)
             with contextlib.suppress(Exception):
                 self._kept.pop(rid)[1].close()
 
@@ -235,11 +241,22 @@ class StandbyPool:
     def _close(self, t: _Task) -> None:
         """Close the task's session, and the request's kept verifying session (it leaves verification)."""
         kept = self._kept.pop(t.m.request_id, None)
-        self._flags.pop(t.m.request_id, None)
+        self._forget_checks(t.m.request_id)
         for s in {id(x): x for x in (t.session, kept[1] if kept is not None else None) if x is not None}.values():
             with contextlib.suppress(Exception):
                 s.close()
         t.session = None
+
+    def _forget_checks(self, rid: str) -> None:
+        """A checked request leaves its checks (it ended, left for a rung above, or goes on
+        unchecked): its drift record goes out."""
+        self._flags.pop(rid, None)
+        record = self._drift.pop(rid, None)
+        if record is not None and self.on_drift is not None:
+            try:
+                self.on_drift(record)
+            except Exception:  # an observer's bug must not fail the request
+                _log.exception("a drift observer failed on request %s", rid)
 
     def _turn(self) -> None:
         """Prepare every active task's work, run one forward per rung, act on the rows."""
@@ -483,6 +500,12 @@ class StandbyPool:
         m, g = t.m, t.m.config.guard.draft
         assert g.drift_bound is not None
         before = self._flags.setdefault(m.request_id, [])
+        n = len(d.ids) - bool(d.ids and d.ids[-1] in m.eos_ids and not m.params.ignore_eos)  # not an end
+        if n and len(d.top) == len(d.ids):  # INT4's drift on this window's tokens (before they join)
+            last = self._drift.get(m.request_id)
+            cls = last.prompt_class if last is not None else m.req.prompt_class or classify(m.req.prompt_text)
+            job = AuditJob(m.request_id, cls, m.rungs[0], (), d.ids[:n], d.top[:n])
+            self._drift[m.request_id] = merge(last, score(job, rows, source="checked"), m.step)
         t.action, flags, refused = verify.check(m, rows, d, before, g.drift_window, g.drift_bound)
         before[:] = (before + flags)[-g.drift_window:]
         self.checked += bool(d.ids)  # not the empty first window (the context alone)

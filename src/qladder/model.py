@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import json
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -132,9 +133,9 @@ def inspect_model(path: str | os.PathLike[str] | None = None, cache_dir: Path | 
     info = _inspect_cached(str(resolved), st.st_size, st.st_mtime_ns)
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**asdict(info), "path": str(info.path)}))
-        tmp.replace(record)
+        with tempfile.NamedTemporaryFile("w", dir=record.parent, suffix=".tmp", delete=False) as f:  # its own
+            f.write(json.dumps({**asdict(info), "path": str(info.path)}))
+        Path(f.name).replace(record)
     except OSError:
         pass  # a read-only cache only costs speed
     return info

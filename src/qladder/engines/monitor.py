@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -42,13 +44,16 @@ def _build(cache_dir: Path) -> Path:
     if cc is None:
         raise EngineError("no C compiler found: the int4 activation monitor is unavailable")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp.so")
+    fd, name = tempfile.mkstemp(dir=out.parent, prefix=".tmp-", suffix=".so")  # its own: processes may build at once
+    os.close(fd)
+    tmp = Path(name)
     cmd = [cc, "-O3", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), f"-L{libdir}", "-lggml-base",
            f"-Wl,-rpath,{libdir}", "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
         raise EngineError(f"building the activation monitor failed: {proc.stderr.strip()[:500]}")
-    tmp.rename(out)
+    os.replace(tmp, out)  # atomic; a library another process already loaded keeps its own inode
     return out
 
 

@@ -37,10 +37,25 @@ PRECISIONS = {
 
 
 def fp32_checkpoint(info: ModelInfo, cache_dir: Path) -> Path:
-    """Folder with config, fp32 safetensors and tokenizer of this GGUF, dequantized once."""
+    """Folder with config, fp32 safetensors and tokenizer of this GGUF, dequantized once (one
+    process at a time: others starting together wait on a file lock, then read its result)."""
+    from filelock import FileLock
+
     target = cache_dir / "torch" / info.cache_key
-    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+    if _complete(target):
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(target.parent / f"{target.name}.lock"):
+        if not _complete(target):
+            _dequantize(info, target)
+    return target
+
+
+def _complete(target: Path) -> bool:
+    return (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file()
+
+
+def _dequantize(info: ModelInfo, target: Path) -> None:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     try:
@@ -56,17 +71,15 @@ def fp32_checkpoint(info: ModelInfo, cache_dir: Path) -> Path:
     setattr(model, "is_quantized", False)  # noqa: B010
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if target.exists():
+        if target.exists():  # an incomplete one (under the lock: no one reads it)
             shutil.rmtree(target)
         tmp.rename(target)  # atomic: a half-written cache is never used
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def input_major(model: torch.nn.Module) -> None:

@@ -49,7 +49,7 @@ lint: $(DEV)
 	$(BIN)/python -m mypy
 
 test: lint $(PEERS)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

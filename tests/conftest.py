@@ -10,9 +10,32 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+# No timed assertion in a unit test: hypothesis's per-example deadline (200 ms) is one, on a busy
+# 2-core machine that runs two test workers.
+hypothesis_settings.register_profile("qladder", deadline=None)
+hypothesis_settings.load_profile("qladder")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the marks
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs two pytest-xdist workers (`--dist loadgroup`): every test that uses the
+    vLLM server goes to the same one, so the server (~70 s to start, ~3 GB) starts once."""
+    for item in items:
+        if "vllm_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("vllm"))
+
+
+def pytest_collection_finish(session):
+    """A worker whose groups did not hold says so (pyproject.toml: why pytest < 9.2)."""
+    if getattr(session.config.option, "loadgroup", False):
+        lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+        if lost:
+            raise pytest.UsageError(f"pytest-xdist did not group {len(lost)} tests (e.g. {lost[0]})")
 
 
 @pytest.fixture(scope="session")
@@ -119,3 +142,4 @@ def live_app(app) -> Iterator[str]:
     finally:
         uv.should_exit = True
         thread.join(30)
+

@@ -36,7 +36,7 @@ def llama_server(model_info) -> Iterator[LlamaServer]:
         yield s
 
 
-@pytest.fixture(params=["llama-server", "vllm"])
+@pytest.fixture(params=["llama-server", pytest.param("vllm", marks=pytest.mark.xdist_group("vllm"))])
 def rung(request, model_info) -> Iterator[LlamaServerRung | VllmRung]:
     if request.param == "llama-server":
         r: LlamaServerRung | VllmRung = LlamaServerRung(model_info, request.getfixturevalue("llama_server").base_url)

@@ -216,6 +216,12 @@ def test_under_load_verified_requests_are_answered_by_fp32_alone(served):
     either, fp32's answers both."""
     se = served
     ids = [_ids(se, PROMPTS[k]) for k in (1, 5)]
+    # The standby publishes its open handoffs after each turn: an earlier test's last answer ends
+    # inside a turn, so A waits for that count to settle (it would find the rung busy).
+    deadline = time.monotonic() + 30
+    while se.standby.active + se.standby.depth and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert se.standby.active + se.standby.depth == 0, "the standby still holds an earlier test's work after 30 s"
     se.draft_limit = 1
     stopped = se.scheduler.stopped_drafting
     try:

@@ -81,16 +81,10 @@ class RequestMachine:
                  token_bytes: TokenBytes, config: LadderConfig, guard: StepGuard,
                  incidents: IncidentSink | None = None, emit: Callable[[Event], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter, audit: AuditTrail | None = None):
-        self.req, self.request_id = request, request.request_id
-        self.prompt = list(request.prompt_ids)
-        self.params = request.params
-        self.rungs = list(rungs)
-        self.n_ctx = list(n_ctx)
-        self.eos_ids = eos_ids
-        self.config = config
-        self.guard = guard
+        self.req, self.request_id, self.params = request, request.request_id, request.params
+        self.prompt, self.rungs, self.n_ctx = list(request.prompt_ids), list(rungs), list(n_ctx)
+        self.eos_ids, self.config, self.guard, self.clock = eos_ids, config, guard, clock
         self.emit = emit or (lambda _e: None)
-        self.clock = clock
         self.rec = Recorder(request.request_id, incidents if config.record_incidents else None, self.emit, clock)
         self.sampler = Sampler(request.params, coupled=request.verified)  # see Sampler
         g = config.guard
@@ -98,8 +92,7 @@ class RequestMachine:
         self.stream: TextStream[tuple[str, TokenLogprob | None]] = TextStream(
             token_bytes, request.params.stop, g.repetition_max_period if g.check_repetition else 0)
         self.hazards: list[Hazard] = []
-        self.rung = request.start_rung
-        self.streak = 0
+        self.rung, self.streak = request.start_rung, 0
         self.unchecked = False  # the answer's first tokens await the standby's check: none released
         self.pending: tuple[Hazard, int] | None = None  # a repetition hazard awaiting verification, its argmax
         self.done: GenerationResult | None = None

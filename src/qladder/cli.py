@@ -310,6 +310,8 @@ def bench_serving(
     rounds: Annotated[int, typer.Option(help="Interleaved rounds per level (tok/s: their median).")] = 2,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Also write outcomes.jsonl and results.json "
                                                               "here (bench/check_serving.py OUT recomputes).")] = None,
+    elastic: Annotated[int | None, typer.Option("--elastic", help="Also elastic INT4 on N cores, and both without "
+                                                                  "drift windows (serving/cores.py).")] = None,
 ) -> None:
     """Many requests at once: guarded vs bare vs a raw batched llama.cpp loop, and 10% faulted."""
     from qladder.benchmarks.serving import run_serving_bench
@@ -318,7 +320,7 @@ def bench_serving(
     try:
         levels = tuple(int(c) for c in concurrency.split(",") if c.strip())
         out = run_serving_bench(prompts, max_tokens, levels, fault_share, int4_threads, standby_threads,
-                                rounds=rounds, out_dir=out_dir)
+                                rounds=rounds, out_dir=out_dir, cores=elastic)
     except (QladderError, ValueError) as exc:
         _fail(str(exc))
         return

@@ -15,6 +15,12 @@ Configurations:
                      system-turn prefix), argmax (the ceiling)
     guarded_faulted  guarded, with `fault_share` of the requests given `nan@step=K` (K seeded,
                      uniform in [1, max_tokens / 2]): they must end clean through the standby
+With `cores` (--elastic N: the server's default, `[cores] int4 = "elastic"`), three more:
+    elastic            guarded, INT4 leasing up to `cores` threads (every core the standby is not
+                       using: serving/cores.py), the standby its `standby_threads`
+    unchecked          guarded with the drift windows off (`drift_bound = 0`): no standby work on
+                       clean answers, fixed threads
+    unchecked_elastic  the same, elastic: what the idle core gives INT4 when nothing checks
 Clients are closed-loop: `concurrency` threads each take the next prompt when their last answer is
 done. Each round visits every prompt set and concurrency level, the configurations rotated inside
 each (interleaved: slow drift of the machine hits them alike). Every request is one line of
@@ -169,7 +175,8 @@ def _faulted(jobs: list[Job], share: float, max_tokens: int, rng: random.Random)
 
 def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: tuple[int, ...] = (1, 4, 8, 16),
                       fault_share: float = 0.1, int4_threads: int = 1, standby_threads: int = 1,
-                      seed: int = 0, rounds: int = 2, out_dir: Path | None = None) -> dict[str, Any]:
+                      seed: int = 0, rounds: int = 2, out_dir: Path | None = None,
+                      cores: int | None = None) -> dict[str, Any]:
     """Run the benchmark; returns results.json's content (and, with `out_dir`, writes outcomes.jsonl
     and results.json there)."""
     from qladder.validate.outcome import read_jsonl, write_jsonl
@@ -185,6 +192,15 @@ def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: t
     guarded = ServingEngine(dataclasses.replace(common, allow_faults=True), info, settings)
     bare = ServingEngine(dataclasses.replace(common, standby_rungs=(), ladder=LadderConfig(guard=GUARD_PRESETS["off"])),
                          info, settings)
+    extra: dict[str, ServingEngine] = {}
+    if cores is not None:
+        g = GUARD_PRESETS["default"]
+        unchecked = dataclasses.replace(common, ladder=LadderConfig(
+            guard=dataclasses.replace(g, draft=dataclasses.replace(g.draft, drift_bound=None))))
+        extra = {"elastic": ServingEngine(dataclasses.replace(common, int4_threads=cores, cores=cores), info, settings),
+                 "unchecked": ServingEngine(unchecked, info, settings),
+                 "unchecked_elastic": ServingEngine(dataclasses.replace(unchecked, int4_threads=cores, cores=cores),
+                                                    info, settings)}
     raw = BatchedLlamaCpp(info, n_slots=slots, n_ctx=n_ctx, n_threads=int4_threads, native_dir=None)
     raw.cache_prefix(template_prefix(info, raw.tokenize))  # the same prefill work as the engine's
     rec = OutcomeLog()
@@ -203,20 +219,21 @@ def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: t
         # Warm-up: one short pass of each configuration (page faults, caches, first-call costs).
         short = SamplingParams(max_tokens=8, ignore_eos=True)
         warm = sets["all"][:2]
-        for name, se in (("guarded", guarded), ("bare", bare)):
+        engines = {"guarded": guarded, "bare": bare, "guarded_faulted": guarded, **extra}
+        for name, se in (("guarded", guarded), ("bare", bare), *extra.items()):
             closed_loop(2, warm, _serve(se, short, rec, name, f"warmup/{name}", 0, 2, "warmup"))
         _raw(raw, warm, 2, 8, rec, "warmup/raw", 0, "warmup")
-        order = ["guarded", "bare", "raw", "guarded_faulted"]
+        order = ["guarded", "bare", "raw", "guarded_faulted", *extra]
         k = 0
         for r in range(rounds):
             for name, jobs in sets.items():
                 for c in concurrency:
-                    for config in order[k % 4:] + order[:k % 4]:  # rotated: interleaved
+                    for config in order[k % len(order):] + order[:k % len(order)]:  # rotated: interleaved
                         window = f"{name}/{config}/c{c}/r{r}"
                         if config == "raw":
                             _raw(raw, jobs, c, max_tokens, rec, window, r, name)
                         else:
-                            se = bare if config == "bare" else guarded
+                            se = engines[config]
                             todo = faulted[name] if config == "guarded_faulted" else jobs
                             closed_loop(c, todo, _serve(se, params, rec, config, window, r, c, name))
                     k += 1
@@ -225,6 +242,7 @@ def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: t
                           "max_tokens": max_tokens, "ignore_eos": True, "greedy": True,
                           "concurrency": list(concurrency), "slots": slots, "n_ctx_per_slot": n_ctx,
                           "int4_threads": int4_threads, "standby_threads": standby_threads,
+                          "elastic_cores": cores,
                           "standby": "fp32, 4 sessions round-robin",
                           "faulted_requests": {n: sum(f is not None for _, _, f in j) for n, j in faulted.items()},
                           "fault": "nan@step=K, K uniform in [1, max_tokens/2], seeded", "seed": seed,
@@ -235,6 +253,8 @@ def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: t
     finally:
         guarded.close()
         bare.close()
+        for se in extra.values():
+            se.close()
         raw.close()
     if out_dir is None:
         return {**head, "figures": figures(rec.outcomes, RUN)}

@@ -137,7 +137,7 @@ def run_verified_bench(per_class: int = 4, max_tokens: int = 64, concurrency: tu
     slots = max(concurrency)
     fp32 = load_engine("fp32", info, settings)
     torch.set_num_threads(1)
-    se = ServingEngine(ServingConfig(slots=slots, n_ctx=2048, int4_threads=1, standby_threads=1, cores=THREADS,
+    se = ServingEngine(ServingConfig(slots=slots, n_ctx=2048, int4_threads=1, standby_threads=THREADS, cores=THREADS,
                                      standby_sessions=slots, audit_rate=AUDIT_RATE, audit_queue=256),
                        info, settings, standby_engines=[fp32])
     audits: list[dict[str, Any]] = []

@@ -54,7 +54,11 @@ def serving_config(t: Topology, settings: Settings) -> ServingConfig:
     from qladder.policy import LadderPolicy
 
     ladder = LadderConfig(guard=guard, policy=LadderPolicy(fail_on_engine_error=off), record_incidents=not off)
-    return ServingConfig(slots=int4.slots, n_ctx=t.model.n_ctx, int4_threads=int4.threads,
+    # [cores]: elastic INT4 leases up to every core (cores.int4_threads); N: fixed threads, no lease
+    elastic = t.cores.int4 == "elastic" and int4.url is None
+    int4_threads = t.cores.cpus if elastic else t.cores.int4 if isinstance(t.cores.int4, int) else 1
+    return ServingConfig(slots=int4.slots, n_ctx=t.model.n_ctx, int4_threads=int4_threads,
+                         cores=t.cores.cpus if elastic else None, cores_linger_s=t.cores.linger_s,
                          standby_threads=standby.threads if standby else 1,
                          standby_rungs=tuple(standby.rungs) if standby else (),
                          standby_sessions=standby.sessions if standby else 1,

@@ -26,7 +26,7 @@
     name = "int4"
     rungs = ["int4"]
     slots = 8
-    threads = 1
+                                   # (its threads: [cores] int4; `threads = N` here means int4 = N)
     max_queue = 64                 # waiting requests beyond the slots; then 429
     weight = 1.0                   # share of new requests routed here
     handoff_to = "standby"         # the pool that catches this pool's handoffs
@@ -53,6 +53,13 @@
     #   rungs = ["vllm"]
     #   url = "http://127.0.0.1:8000"
 
+    [cores]                        # the machine's cores, shared by the in-process INT4 pool and standby
+    total = 0                      # 0: the CPUs this process may run on (os.sched_getaffinity)
+    int4 = "elastic"               # "elastic": INT4 decodes on every core the standby is not using (all
+                                   # of them while it is idle, total - the standby's threads while it
+                                   # works: a handoff, a checked window); or N: N threads, fixed, no lease
+    linger_s = 0.25                # INT4 keeps to its share this long after the standby's last work
+
     [breaker]                      # every pool's circuit breaker (qladder.server.breaker)
     window_s = 30.0
     min_requests = 10
@@ -65,13 +72,15 @@
     ttl_s = 600.0
     max_entries = 10000
 
-With no file, the defaults serve the embedded model on 2 cores: one INT4 thread, one standby
-thread (the write-up's 80/20 split of capacity: most traffic on INT4, the standby kept for the
-requests that need it). Every mistake in a file is reported at start-up, one line each.
+With no file, the defaults serve the embedded model on the machine's cores: the standby on one
+thread, INT4 on the others, and on all of them while the standby has nothing to do (on 2 cores:
+INT4 on 2 threads while idle, 1 + 1 while a handoff or a checked window runs). Every mistake in a
+file is reported at start-up, one line each.
 """
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -125,6 +134,17 @@ class ServerSettings:
 
 
 @dataclass(frozen=True)
+class CoresSettings:
+    total: int = 0  # 0: the CPUs this process may run on
+    int4: str | int = "elastic"  # or N fixed threads
+    linger_s: float = 0.25
+
+    @property
+    def cpus(self) -> int:
+        return self.total or len(os.sched_getaffinity(0))
+
+
+@dataclass(frozen=True)
 class ModelSettings:
     path: str = ""
     n_ctx: int = 2048
@@ -152,6 +172,7 @@ class Topology:
     pools: tuple[PoolConfig, ...] = field(default_factory=default_pools)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     quarantine: QuarantineConfig = field(default_factory=QuarantineConfig)
+    cores: CoresSettings = field(default_factory=CoresSettings)
 
     @property
     def int4(self) -> PoolConfig:
@@ -177,13 +198,14 @@ def load_topology(path: str | Path | None) -> Topology:
 
 def parse_topology(data: dict[str, Any], where: str = "config") -> Topology:
     errors: list[str] = []
-    known = {"server", "model", "pools", "breaker", "quarantine"}
+    known = {"server", "model", "pools", "breaker", "quarantine", "cores"}
     for key in sorted(set(data) - known):
         errors.append(f"unknown section [{key}] (known: {', '.join(sorted(known))})")
     server = _section(data.get("server", {}), ServerSettings, "server", errors)
     model = _section(data.get("model", {}), ModelSettings, "model", errors)
     breaker = _section(data.get("breaker", {}), BreakerConfig, "breaker", errors)
     quarantine = _section(data.get("quarantine", {}), QuarantineConfig, "quarantine", errors)
+    cores = _section(data.get("cores", {}), CoresSettings, "cores", errors)
     raw_pools = data.get("pools")
     pools: tuple[PoolConfig, ...] = default_pools()
     if raw_pools is not None:
@@ -193,15 +215,26 @@ def parse_topology(data: dict[str, Any], where: str = "config") -> Topology:
             parsed = [_section(p, PoolConfig, f"pools[{i}]", errors, required=("name", "rungs"))
                       for i, p in enumerate(raw_pools)]
             pools = tuple(p for p in parsed if p is not None)
+            # `threads` on an in-process INT4 pool: fixed threads, as before [cores] (the same as int4 = N)
+            fixed = [p["threads"] for p in raw_pools if p.get("rungs") == ["int4"] and "threads" in p]
+            if fixed and cores is not None:
+                if "int4" in data.get("cores", {}) and data["cores"]["int4"] != fixed[0]:
+                    errors.append(f"the INT4 pool's threads = {fixed[0]} and [cores] int4 = {data['cores']['int4']!r} "
+                                  "disagree (keep one: [cores] int4)")
+                elif isinstance(fixed[0], int):
+                    cores = replace(cores, int4=fixed[0])
     if server is not None:
         _check_server(server, errors)
     if model is not None and not 64 <= model.n_ctx <= 131072:
         errors.append(f"model.n_ctx must be in [64, 131072], got {model.n_ctx}")
     _check_pools(pools, errors)
+    if cores is not None:
+        _check_cores(cores, errors)
     if errors:
         raise ConfigError(f"{where}: {len(errors)} mistake(s):\n  " + "\n  ".join(errors))
     assert server is not None and model is not None and breaker is not None and quarantine is not None
-    return Topology(server, model, pools, breaker, quarantine)
+    assert cores is not None
+    return Topology(server, model, pools, breaker, quarantine, cores)
 
 
 def _section(raw: object, cls: type, name: str, errors: list[str], required: tuple[str, ...] = ()) -> Any:
@@ -252,6 +285,8 @@ def _type_ok(value: object, want: str) -> bool:
         return isinstance(value, str)
     if want == "str | None":
         return isinstance(value, str)
+    if want == "str | int":
+        return isinstance(value, str | int) and not isinstance(value, bool)
     if want == "tuple[str, ...]":
         return isinstance(value, list) and all(isinstance(v, str) for v in value)
     return True
@@ -282,6 +317,15 @@ def _check_server(s: ServerSettings, errors: list[str]) -> None:
         errors.append(f"server.drift_bound must be within [0, 1], got {s.drift_bound}")
     if s.sanitize not in PRESETS:
         errors.append(f"server.sanitize: unknown preset {s.sanitize!r} (choose from {', '.join(PRESETS)})")
+
+
+def _check_cores(c: CoresSettings, errors: list[str]) -> None:
+    if c.total < 0:
+        errors.append(f"cores.total must be >= 0 (0: the CPUs this process may run on), got {c.total}")
+    if not (c.int4 == "elastic" or (isinstance(c.int4, int) and c.int4 >= 1)):
+        errors.append(f"cores.int4 must be \"elastic\" or a thread count >= 1, got {c.int4!r}")
+    if not c.linger_s >= 0:
+        errors.append(f"cores.linger_s must be >= 0, got {c.linger_s}")
 
 
 def _check_pools(pools: tuple[PoolConfig, ...], errors: list[str]) -> None:

@@ -68,11 +68,12 @@ class ServingConfig:
     n_ctx: int = 2048  # per slot
     int4_threads: int = 1  # 2 cores: one for the INT4 pool...
     standby_threads: int = 1  # ...one for the standby
-    # Elastic standby: the pools lease the machine's `cores` per compute call (serving/cores.py):
-    # the INT4 pool its `int4_threads`, the standby up to all of them (all while INT4 is idle, the
-    # rest while both work). None: the fixed counts above. (INT4 stays at int4_threads: see
-    # cores.py for why llama.cpp's threads are not made elastic here.)
+    # Shared cores: the pools lease the machine's `cores` per compute call (serving/cores.py), each
+    # up to its threads above: the standby always its own, INT4 every core while the standby has
+    # been idle for `cores_linger_s`, the rest while it works (elastic INT4: int4_threads = cores,
+    # the server's default). None: the fixed counts above, no lease.
     cores: int | None = None
+    cores_linger_s: float = 0.25
     standby_rungs: tuple[str, ...] = ("fp32",)
     standby_sessions: int = 4  # handoffs stepped at once; more wait in a FIFO queue
     standby_queue: int = 256
@@ -121,7 +122,8 @@ class ServingEngine:
         self.incidents = incidents
         self.clock = clock
         self.observers = list(observers)
-        torch.set_num_threads(c.standby_threads)  # torch runs the standby (and tiny guard ops)
+        # torch runs the standby (and tiny guard ops); under a lease the standby sets its own per forward
+        torch.set_num_threads(1 if c.cores is not None else c.standby_threads)
         self.int4: BatchedLlamaCpp | LlamaServerRung
         if c.remote_url is not None:  # rung 0 is a llama-server: its tokenizer is checked here
             self.int4 = LlamaServerRung(self.info, c.remote_url)
@@ -139,7 +141,7 @@ class ServingEngine:
         self.standby_engines = list(standby_engines)
         self.rungs = [self.int4.name, *(e.name for e in self.standby_engines)]
         self.n_ctx = [self.int4.n_ctx, *(e.n_ctx for e in self.standby_engines)]  # per slot, or the server's
-        self.cores = Cores(c.cores) if c.cores is not None else None
+        self.cores = Cores(c.cores, c.cores_linger_s) if c.cores is not None else None
         self._guards: dict[object, StepGuard] = {c.ladder.guard: StepGuard(c.ladder.guard, self.info.identity)}
         self.aborts = AbortRegistry()
         self.audit_observers: list[Callable[[AuditRecord], None]] = []
@@ -160,7 +162,7 @@ class ServingEngine:
         self.standby = StandbyPool(local, self.aborts, c.standby_sessions, c.standby_queue,
                                    on_return=self._return, forward=self.handoffs.submit, clock=clock,
                                    on_checked=self._checked, verify_sessions=c.slots, cores=self.cores,
-                                   threads=c.cores or c.standby_threads,
+                                   threads=c.standby_threads,
                                    on_audit=self._audited if c.audit_rate > 0 else None, audit_queue=c.audit_queue,
                                    on_drift=self._audited) \
             if local else None
@@ -175,6 +177,7 @@ class ServingEngine:
             assert isinstance(self.int4, BatchedLlamaCpp)
             self.scheduler = Int4Scheduler(self.int4, self.handoffs if standby_engines else None, self.aborts,
                                            c.scheduler, clock=clock, cores=self.cores)
+            self.scheduler.standby_threads = c.standby_threads if self.standby is not None else 0
             if self.standby is not None:
                 self.scheduler.keep_drafting = self._keep_drafting
                 self.scheduler.checks = 1 in self.standby.engines  # drift windows scored in-process

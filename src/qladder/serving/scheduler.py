@@ -107,6 +107,7 @@ class Int4Scheduler:
         engine's own thread count, always."""
         self.engine = engine
         self.cores = cores
+        self.standby_threads = 1  # set by the serving engine: the standby's share while it works
         self.keep_drafting: Callable[[str], bool] | None = None  # set by the serving engine (its policy)
         self.checks = False  # set by the serving engine: rung 1 scores greedy answers' drift windows
         self.unchecked = 0  # answers that would have been checked, admitted while the standby was full
@@ -590,11 +591,12 @@ class Int4Scheduler:
             m.finish(FinishReason.DEGRADED, fallback=True)
 
     def _lease(self) -> int:
-        """Lease cores for one decode (as many as the engine was built for, as the standby leaves
-        them) and set the engine's threads to it; 0 without a shared lease (fixed threads)."""
+        """Lease cores for one decode (up to as many as the engine was built for: every core while
+        the standby is idle, what it leaves while it works; cores.int4_threads) and set the
+        engine's threads to it; 0 without a shared lease (fixed threads)."""
         if self.cores is None:
             return 0
-        n = self.cores.lease(self.engine.n_threads)
+        n = self.cores.lease(self.cores.int4_want(self.engine.n_threads, self.standby_threads, self.clock()))
         self.engine.set_threads(n)
         return n
 

@@ -171,6 +171,8 @@ class StandbyPool:
     def _run(self) -> None:
         while True:
             block = not self._active and not self._waiting and not (self.auditor and self.auditor.runnable)
+            if block and self.cores is not None:  # idle: INT4 may take every core (cores.int4_threads)
+                self.cores.standby_turn(False, self.clock())
             try:
                 while True:
                     t = self._inbox.get(block=block, timeout=None)
@@ -192,6 +194,8 @@ class StandbyPool:
                 self.waits_ms.append((self.clock() - t.enqueued) * 1e3)
                 self._active.append(t)
             self._n_handoffs = self._handoffs()
+            if self.cores is not None:
+                self.cores.standby_turn(bool(self._active or (self.auditor and self.auditor.runnable)), self.clock())
             try:
                 self._turn()
                 self._n_handoffs = self._handoffs()

@@ -364,7 +364,12 @@ def serving_figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     ratios = {name: {"guarded_c8_over_c1": ratio(tok(name, "guarded", "8"), tok(name, "guarded", "1")),
                      "guarded_over_raw_c8": ratio(tok(name, "guarded", "8"), tok(name, "raw", "8")),
                      "guarded_over_bare_c8": ratio(tok(name, "guarded", "8"), tok(name, "bare", "8")),
-                     "faulted_over_guarded_c8": ratio(tok(name, "guarded_faulted", "8"), tok(name, "guarded", "8"))}
+                     "faulted_over_guarded_c8": ratio(tok(name, "guarded_faulted", "8"), tok(name, "guarded", "8")),
+                     # --elastic (for reading: the box's second core, with and without drift windows)
+                     "elastic_over_guarded_c8": ratio(tok(name, "elastic", "8"), tok(name, "guarded", "8")),
+                     "unchecked_elastic_over_unchecked_c8": ratio(tok(name, "unchecked_elastic", "8"),
+                                                                  tok(name, "unchecked", "8")),
+                     "unchecked_over_guarded_c8": ratio(tok(name, "unchecked", "8"), tok(name, "guarded", "8"))}
               for name in results}
     verdicts = [_verdict(f"all prompts: {k}", ratios.get("all", {}).get(k), lim, _at_least(lim),
                          f"screened: {ratios.get('screened', {}).get(k)}") for k, lim in SERVING_TARGETS.items()]

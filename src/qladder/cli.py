@@ -385,6 +385,8 @@ def bench_serve(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (always JSON).")] = True,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Also write outcomes.jsonl and results.json "
                                                               "here (bench/check_serve.py OUT recomputes).")] = None,
+    box: Annotated[bool, typer.Option("--box", help="The whole machine: qladder on its default (elastic) cores, "
+                                                    "llama-server on every core (--threads ignored).")] = False,
 ) -> None:
     """Load test of `qladder serve` (guarded, faulted, burst; then guarded vs guard-off vs llama-server)."""
     from qladder.benchmarks.serve_load import run_serve_bench
@@ -392,7 +394,7 @@ def bench_serve(
     _quiet_libraries()
     try:
         out = run_serve_bench(duration, window, rounds, clients, fault_share, max_tokens, slots, threads,
-                              log=lambda m: typer.echo(m, err=True), out_dir=out_dir)
+                              log=lambda m: typer.echo(m, err=True), out_dir=out_dir, box=box)
     except (QladderError, RuntimeError) as exc:
         _fail(str(exc))
         return

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import sqlite3
 import subprocess
@@ -194,8 +195,11 @@ def _jobs(n_prompts: int, fault_share: float, max_tokens: int, seed: int) -> tup
     return jobs, n_faulted
 
 
-def _pools(slots: int, threads: int) -> str:
-    return (f'[[pools]]\nname = "int4"\nrungs = ["int4"]\nslots = {slots}\nthreads = {threads}\nmax_queue = 64\n'
+def _pools(slots: int, threads: int | None) -> str:
+    """The pools of every qladder server here; threads None: the INT4 pool's threads are the
+    server's default ([cores] int4 = "elastic": every core the standby is not using)."""
+    fixed = f"threads = {threads}\n" if threads is not None else ""
+    return (f'[[pools]]\nname = "int4"\nrungs = ["int4"]\nslots = {slots}\n{fixed}max_queue = 64\n'
             f'weight = 1.0\nhandoff_to = "standby"\n[[pools]]\nname = "standby"\nrungs = ["fp32"]\nthreads = 1\n'
             f'sessions = 4\n')
 
@@ -203,9 +207,11 @@ def _pools(slots: int, threads: int) -> str:
 def run_serve_bench(duration_s: float = 120.0, window_s: float = 60.0, rounds: int = 5, clients: int = 16,
                     fault_share: float = 0.1, max_tokens: int = 64, slots: int = 8, threads: int = 1,
                     burst_s: float = 30.0, recover_s: float = 120.0, n_prompts: int = 64, seed: int = 0,
-                    log: Any = None, out_dir: Path | None = None) -> dict[str, Any]:
+                    log: Any = None, out_dir: Path | None = None, box: bool = False) -> dict[str, Any]:
     """Run the benchmark; returns results.json's content (and, with `out_dir`, writes outcomes.jsonl
-    and results.json there)."""
+    and results.json there). `box`: the whole machine, as a user compares it: qladder's servers on
+    their default cores (elastic INT4, standby 1 thread), llama-servers on every core (`threads`
+    is then ignored)."""
     from qladder.model import inspect_model
 
     say = log or (lambda _m: None)
@@ -213,7 +219,10 @@ def run_serve_bench(duration_s: float = 120.0, window_s: float = 60.0, rounds: i
     jobs, n_faulted = _jobs(n_prompts, fault_share, max_tokens, seed)
     clean: list[Job] = [(pid, p, []) for pid, p, _ in jobs]
     work = Path(tempfile.mkdtemp(prefix="qladder-bench-serve-"))
-    pools = _pools(slots, threads)
+    cpus = len(os.sched_getaffinity(0))
+    pools = _pools(slots, None if box else threads)
+    if box:
+        threads = cpus  # llama-server's -t/-tb
     clock = Clock()
     outcomes: list[Outcome] = []
     obs: dict[str, Any] = {}
@@ -228,7 +237,9 @@ def run_serve_bench(duration_s: float = 120.0, window_s: float = 60.0, rounds: i
         "benchmark": "qladder bench serve", "model": str(info.path.name),
         "config": {"duration_s": duration_s, "window_s": window_s, "rounds": rounds, "clients": clients,
                    "fault_share": fault_share, "faulted_prompts": n_faulted, "prompts": len(jobs),
-                   "max_tokens": max_tokens, "slots": slots, "int4_threads": threads, "standby_threads": 1,
+                   "max_tokens": max_tokens, "slots": slots, "box": box, "cpus": cpus,
+                   "int4_threads": f"elastic, up to {cpus}" if box else threads, "standby_threads": 1,
+                   "llama_server_threads": threads,
                    "burst_s": burst_s, "seed": seed, "temperature": 0, "streaming": True,
                    "llama_server_args": peer_args.args[1:],
                    "processes": "each phase on fresh servers: faulted (guarded), burst (guarded), compare "

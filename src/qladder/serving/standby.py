@@ -68,6 +68,7 @@ class _Task:
     feed: list[int] | None = None  # ids to evaluate before the task's next rows
     rows: int = 1  # rows wanted from the forward that ends `feed`
     opened: bool = False  # `feed` opens the rung (a handoff's context), not a decode step
+    caught: int | None = None  # a warm opening: the ids fed to a kept session (None: the whole context)
     handoff: bool = True  # counts against max_sessions (a verification window does not)
 
 
@@ -114,7 +115,8 @@ class StandbyPool:
         self._inbox: queue.Queue[_Task | _Wake | None] = queue.Queue(maxsize=max_queue)
         self._waiting: deque[_Task] = deque()
         self._active: list[_Task] = []
-        self._kept: dict[str, tuple[RequestMachine, Session]] = {}  # verified requests' sessions
+        # verified and checked requests' sessions between windows, and the rung each is on
+        self._kept: dict[str, tuple[RequestMachine, Session, int]] = {}
         self._flags: dict[str, list[bool]] = {}  # a checked request's last flags (verify.check)
         self._drift: dict[str, AuditRecord] = {}  # a checked request's drift measures so far (audit.merge)
         self.on_drift = on_drift
@@ -235,7 +237,7 @@ class StandbyPool:
             t.m.finish(FinishReason.ABORT)
         self._active.clear()
         self._waiting.clear()
-        for _, s in self._kept.values():
+        for _, s, _ in self._kept.values():
             with contextlib.suppress(Exception):
                 s.close()
         self._kept.clear()
@@ -334,12 +336,21 @@ class StandbyPool:
             m.finish(FinishReason.DEGRADED, fallback=True)  # nothing is lost: the explicit fallback
             return True
         kept = self._kept.get(m.request_id)
-        if isinstance(action, MoveTo) and kept is not None and kept[0] is m and m.rung == j:
-            # a verified request that stops drafting: its verifying session goes on alone, fed the
-            # context it lacks (one id: the session keeps all but the last between windows)
+        n = _common(kept[1].token_ids, m.context) if isinstance(action, MoveTo) and kept is not None \
+            and kept[0] is m and kept[2] == j else 0
+        if n:
+            # Warm: the session that verified or checked this answer's windows holds rung j's cache
+            # of its context up to the last window, and is fed only what it lacks: a verified
+            # request that stops drafting, one id; a checked answer handed off (a hazard on INT4,
+            # a refused window), the tokens since its last window.
             self._kept.pop(m.request_id)
-            t.session, t.handoff = kept[1], True
-            t.rung, t.feed, t.rows, t.opened = j, m.context[kept[1].n_tokens:], 1, True
+            self._forget_checks(m.request_id)
+            s = kept[1] if kept is not None else None
+            assert s is not None
+            if n < s.n_tokens:
+                s.rollback(s.n_tokens - n)
+            t.session, t.handoff = s, True
+            t.rung, t.feed, t.rows, t.opened, t.caught = j, m.context[n:], 1, True, len(m.context) - n
             return False
         self._close(t)
         t.handoff = True
@@ -347,7 +358,7 @@ class StandbyPool:
             t.session = self._reserve(self.engines[j], m.context)
         except EngineError as exc:
             return self._open_failed(t, j, str(exc))
-        t.rung, t.feed, t.rows, t.opened = j, self._pending(t.session), 1, True
+        t.rung, t.feed, t.rows, t.opened, t.caught = j, self._pending(t.session), 1, True, None
         return False
 
     def _open_window(self, t: _Task, d: Drafted) -> bool:
@@ -360,7 +371,7 @@ class StandbyPool:
                 t.session = self._reserve(self.engines[d.rung], m.context)
             except EngineError as exc:
                 return self._open_failed(t, d.rung, str(exc))
-            self._kept[m.request_id] = (m, t.session)
+            self._kept[m.request_id] = (m, t.session, d.rung)
             self._pending(t.session)  # dropped: the window below starts at the context's first id
         if not d.checked:  # a checked window's tokens stay INT4's (the rung above only scores them)
             m.decided_by(d.rung, d.hazard)
@@ -467,7 +478,7 @@ class StandbyPool:
         """Act on a task's rows. True when it leaves the pool."""
         m, action = t.m, t.action
         if isinstance(action, MoveTo) and t.opened and m.rung != action.rung:  # not routed here from the start
-            m.moved(action.rung, len(m.context), warm=False)
+            m.moved(action.rung, len(m.context) if t.caught is None else t.caught, warm=t.caught is not None)
         if isinstance(got, StepFailed):
             t.feed, t.rows = None, 1  # what was left of a context is moot: the session is not trusted
             if isinstance(action, Drafted):  # the rung above failed (a checked window's machine is on rung 0)
@@ -536,10 +547,22 @@ class StandbyPool:
             self._close(t)
             self._back(t)
             return True
-        self._close(t)  # a hazard on this rung with a rung above: an ordinary handoff from here
+        # A hazard: an ordinary handoff from here. A refused checked window's session stays kept:
+        # the handoff to its rung opens warm on it (_carry_out); any other move closes it there.
+        self._forget_checks(m.request_id)
+        t.session = None
         self._left(t)
         return False
 
+
+
+def _common(have: list[int], context: list[int]) -> int:
+    """How much of a kept session's ids a handoff keeps: their common prefix with the context, less
+    at least its last id (fed again, for the row that decides the next token)."""
+    n, limit = 0, min(len(have), len(context) - 1)
+    while n < limit and have[n] == context[n]:
+        n += 1
+    return n
 
 
 def _with_row(out: StepOutput, row: torch.Tensor) -> StepOutput:

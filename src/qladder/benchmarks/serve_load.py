@@ -9,6 +9,9 @@ into the next):
     llama_server_aa a second, identical llama-server: the A/A pair of the latency verdict
 Only one is under load at a time; an idle server sleeps (no CPU).
 
+With --box, qladder's servers run on their default cores (elastic INT4) and llama-servers on every
+core, and the comparison adds `unchecked` (guarded, `drift_bound = 0`), for reading.
+
 Phases, one run:
 1. faulted: `clients` streaming clients, closed-loop, for `duration_s` against a guarded server,
    with `fault_share` of the prompts hazardous (each carries a fault: nan/inf/zero at a seeded step;
@@ -34,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import sqlite3
 import subprocess
@@ -49,6 +51,7 @@ import httpx
 from qladder.environment import cpu, versions
 from qladder.peers.llama_server import LlamaServer
 from qladder.peers.process import free_port, start_qladder_serve, stop
+from qladder.server.topology import CoresSettings
 from qladder.validate.outcome import Outcome
 
 RUN = "bench-serve"
@@ -219,7 +222,7 @@ def run_serve_bench(duration_s: float = 120.0, window_s: float = 60.0, rounds: i
     jobs, n_faulted = _jobs(n_prompts, fault_share, max_tokens, seed)
     clean: list[Job] = [(pid, p, []) for pid, p, _ in jobs]
     work = Path(tempfile.mkdtemp(prefix="qladder-bench-serve-"))
-    cpus = len(os.sched_getaffinity(0))
+    cpus = CoresSettings().cpus
     pools = _pools(slots, None if box else threads)
     if box:
         threads = cpus  # llama-server's -t/-tb
@@ -260,7 +263,7 @@ def run_serve_bench(duration_s: float = 120.0, window_s: float = 60.0, rounds: i
     finally:
         g2.stop()
     outcomes += _compare(work, pools, info.path, clean, clients, window_s, rounds, max_tokens, slots, threads,
-                         clock, say)
+                         clock, say, unchecked=box)
     _judge(outcomes, info, max_tokens, say)
     return _write({**head, "observations": obs}, outcomes, out_dir)
 
@@ -339,7 +342,8 @@ def _burst_phase(url: str, clean: list[Job], clients: int, burst_s: float, recov
 
 
 def _compare(work: Path, pools: str, gguf: Path, clean: list[Job], clients: int, window_s: float, rounds: int,
-             max_tokens: int, slots: int, threads: int, clock: Clock, say: Any) -> list[Outcome]:
+             max_tokens: int, slots: int, threads: int, clock: Clock, say: Any,
+             unchecked: bool = False) -> list[Outcome]:
     servers: dict[str, Any] = {
         "guarded": QladderProcess("compare-guarded", f"[server]\ndefault_max_tokens = {max_tokens}\n"
                                   f'incidents = "{work / "compare.sqlite3"}"\n' + pools, [], work),
@@ -347,6 +351,10 @@ def _compare(work: Path, pools: str, gguf: Path, clean: list[Job], clients: int,
                                + pools, [], work),
         "llama_server": LlamaServer(gguf, n_parallel=slots, threads=threads, n_ctx_per_slot=2048),
         "llama_server_aa": LlamaServer(gguf, n_parallel=slots, threads=threads, n_ctx_per_slot=2048)}
+    if unchecked:  # --box: guarded with the drift windows off, for reading (what the checks cost the box)
+        servers["unchecked"] = QladderProcess(
+            "compare-unchecked", f"[server]\ndefault_max_tokens = {max_tokens}\ndrift_bound = 0\n"
+            f'incidents = "{work / "unchecked.sqlite3"}"\n' + pools, [], work)
     out: list[Outcome] = []
     try:
         for s in servers.values():

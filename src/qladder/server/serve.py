@@ -54,8 +54,10 @@ def serving_config(t: Topology, settings: Settings) -> ServingConfig:
     from qladder.policy import LadderPolicy
 
     ladder = LadderConfig(guard=guard, policy=LadderPolicy(fail_on_engine_error=off), record_incidents=not off)
-    # [cores]: elastic INT4 leases up to every core (cores.int4_threads); N: fixed threads, no lease
-    elastic = t.cores.int4 == "elastic" and int4.url is None
+    # [cores]: elastic INT4 leases up to every core (cores.int4_threads) beside an in-process
+    # standby; N, a remote INT4 rung or a remote standby (its server's cores are not ours to
+    # lease): fixed threads, no lease (a remote standby: one INT4 thread unless int4 = N)
+    elastic = t.cores.int4 == "elastic" and int4.url is None and (standby is None or standby.url is None)
     int4_threads = t.cores.cpus if elastic else t.cores.int4 if isinstance(t.cores.int4, int) else 1
     return ServingConfig(slots=int4.slots, n_ctx=t.model.n_ctx, int4_threads=int4_threads,
                          cores=t.cores.cpus if elastic else None, cores_linger_s=t.cores.linger_s,

@@ -57,8 +57,12 @@
     total = 0                      # 0: the CPUs this process may run on (os.sched_getaffinity)
     int4 = "elastic"               # "elastic": INT4 decodes on every core the standby is not using (all
                                    # of them while it is idle, total - the standby's threads while it
-                                   # works: a handoff, a checked window); or N: N threads, fixed, no lease
+                                   # works: a handoff, a checked window); or N: N threads, fixed, no lease.
+                                   # Elastic needs an in-process INT4 pool and standby (a remote one's
+                                   # cores are its server's): otherwise INT4 runs N or 1 fixed threads
     linger_s = 0.25                # INT4 keeps to its share this long after the standby's last work
+                                   # (total and linger_s: elastic only; keep the standby at 1 thread
+                                   # beside it, serving/cores.py says why)
 
     [breaker]                      # every pool's circuit breaker (qladder.server.breaker)
     window_s = 30.0
@@ -141,7 +145,14 @@ class CoresSettings:
 
     @property
     def cpus(self) -> int:
-        return self.total or len(os.sched_getaffinity(0))
+        """`total`, or the CPUs this process may run on (its affinity; a container's CPU quota is
+        not read: set `total` there)."""
+        if self.total:
+            return self.total
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)

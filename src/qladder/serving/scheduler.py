@@ -97,6 +97,7 @@ class _Flight:
     deadline_s: float
     slots: list[_Slot]
     claimed: bool = False
+    leased: int = 0  # cores leased for it, given back once (_give_back), behind _flight_lock
 
 
 class Int4Scheduler:
@@ -442,7 +443,7 @@ class Int4Scheduler:
                     self._arm_python_stall(stall)
         n_tokens = sum(len(e.ids) for e in entries)
         leased = self._lease()  # before the watched window: waiting for a core is not a stall
-        flight = _Flight(self.steps, self.clock(), deadline + cfg.deadline_per_token_s * n_tokens, batch)
+        flight = _Flight(self.steps, self.clock(), deadline + cfg.deadline_per_token_s * n_tokens, batch, leased=leased)
         with self._flight_lock:
             self._flight = flight
         error: str | None = None
@@ -454,8 +455,7 @@ class Int4Scheduler:
         except EngineError as exc:
             error = str(exc)
         finally:
-            if leased and self.cores is not None:
-                self.cores.release(leased)
+            self._give_back(flight)
         t1 = time.perf_counter()
         self.decode_s += t1 - t0
         with self._flight_lock:
@@ -607,8 +607,7 @@ class Int4Scheduler:
         if not self._free:
             return
         slot = self._free[0]
-        leased = self._lease()
-        flight = _Flight(self.steps, self.clock(), self.config.probe_deadline_s, [])
+        flight = _Flight(self.steps, self.clock(), self.config.probe_deadline_s, [], leased=self._lease())
         with self._flight_lock:
             self._flight = flight
         try:
@@ -617,8 +616,7 @@ class Int4Scheduler:
         except EngineError:
             ok = False
         finally:
-            if leased and self.cores is not None:
-                self.cores.release(leased)
+            self._give_back(flight)
         with self._flight_lock:
             self._flight = None
             ok = ok and not flight.claimed
@@ -637,6 +635,15 @@ class Int4Scheduler:
         self._py_stall_s = 0.0
         while self.clock() < end and not (self._flight and self._flight.claimed):
             time.sleep(0.005)
+
+    def _give_back(self, f: _Flight) -> None:
+        """A decode's cores back to the lease, once: by the scheduler when the decode returns, or
+        by the watchdog when it claims a hung one (its threads may run on until llama.cpp sees the
+        abort: the one time the two pools' threads can add up to more than the cores)."""
+        with self._flight_lock:
+            n, f.leased = f.leased, 0
+        if n and self.cores is not None:
+            self.cores.release(n)
 
     # -- the watchdog thread -----------------------------------------------------------------------
     def _watch(self) -> None:
@@ -659,6 +666,7 @@ class Int4Scheduler:
             self.stalls += 1
             self.healthy = False
             self.engine.abort()
+            self._give_back(f)  # the standby it hands them to must not wait for the hung decode's cores
             for s in f.slots:
                 if s.away:  # the standby has it: its hazard comes when it is back (_run_batch, _resume)
                     continue

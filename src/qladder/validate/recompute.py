@@ -413,6 +413,7 @@ def serve_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> 
 
     f["ratios"] = {"guarded_over_llama_server_tok_s": per_round("guarded", "llama_server"),
                    "guarded_over_bare_tok_s": per_round("guarded", "bare"),
+                   "unchecked_over_llama_server_tok_s": per_round("unchecked", "llama_server"),  # --box
                    "aa_tok_s": per_round("llama_server_aa", "llama_server")}
     lat = {k: latency_ratio(sides[a], sides[b], slowest) for k, (a, b) in
            {"guarded_over_llama_server": ("guarded", "llama_server"), "guarded_over_bare": ("guarded", "bare"),

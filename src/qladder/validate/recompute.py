@@ -364,13 +364,14 @@ def serving_figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     ratios = {name: {"guarded_c8_over_c1": ratio(tok(name, "guarded", "8"), tok(name, "guarded", "1")),
                      "guarded_over_raw_c8": ratio(tok(name, "guarded", "8"), tok(name, "raw", "8")),
                      "guarded_over_bare_c8": ratio(tok(name, "guarded", "8"), tok(name, "bare", "8")),
-                     "faulted_over_guarded_c8": ratio(tok(name, "guarded_faulted", "8"), tok(name, "guarded", "8")),
-                     # --elastic (for reading: the box's second core, with and without drift windows)
-                     "elastic_over_guarded_c8": ratio(tok(name, "elastic", "8"), tok(name, "guarded", "8")),
-                     "unchecked_elastic_over_unchecked_c8": ratio(tok(name, "unchecked_elastic", "8"),
-                                                                  tok(name, "unchecked", "8")),
-                     "unchecked_over_guarded_c8": ratio(tok(name, "unchecked", "8"), tok(name, "guarded", "8"))}
+                     "faulted_over_guarded_c8": ratio(tok(name, "guarded_faulted", "8"), tok(name, "guarded", "8"))}
               for name in results}
+    for name in results:  # --elastic (for reading: the box's second core, with and without drift windows)
+        if "elastic" in results[name]:
+            ratios[name] |= {"elastic_over_guarded_c8": ratio(tok(name, "elastic", "8"), tok(name, "guarded", "8")),
+                             "unchecked_elastic_over_unchecked_c8": ratio(tok(name, "unchecked_elastic", "8"),
+                                                                          tok(name, "unchecked", "8")),
+                             "unchecked_over_guarded_c8": ratio(tok(name, "unchecked", "8"), tok(name, "guarded", "8"))}
     verdicts = [_verdict(f"all prompts: {k}", ratios.get("all", {}).get(k), lim, _at_least(lim),
                          f"screened: {ratios.get('screened', {}).get(k)}") for k, lim in SERVING_TARGETS.items()]
     faulted = [o for o in outs if o.fault is not None]
@@ -413,8 +414,9 @@ def serve_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> 
 
     f["ratios"] = {"guarded_over_llama_server_tok_s": per_round("guarded", "llama_server"),
                    "guarded_over_bare_tok_s": per_round("guarded", "bare"),
-                   "unchecked_over_llama_server_tok_s": per_round("unchecked", "llama_server"),  # --box
                    "aa_tok_s": per_round("llama_server_aa", "llama_server")}
+    if "unchecked" in sides:  # --box
+        f["ratios"]["unchecked_over_llama_server_tok_s"] = per_round("unchecked", "llama_server")
     lat = {k: latency_ratio(sides[a], sides[b], slowest) for k, (a, b) in
            {"guarded_over_llama_server": ("guarded", "llama_server"), "guarded_over_bare": ("guarded", "bare"),
             "aa_over_llama_server": ("llama_server_aa", "llama_server")}.items() if a in sides and b in sides}

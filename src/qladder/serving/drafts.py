@@ -53,6 +53,16 @@ def holds_windows(params: SamplingParams, guard: GuardConfig) -> bool:
     return params.greedy and guard.check_logits and d.drift_bound is not None and d.drift_window > 0
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many ids two sequences share from their start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def should_draft(drafting: int, standby_busy: int, limit: int) -> bool:
     """Whether a new verified request drafts on INT4, or is answered by the full-precision rung
     alone (the same answer: greedy, the rung's argmax; sampled, its distribution). Drafting pays
@@ -156,12 +166,7 @@ class Drafts:
     def reconcile(self, context: list[int]) -> int:
         """The machine is back with `context` (prompt + accepted). Keeps the drafts that are still
         valid, adapts k; returns how many of the evaluated ids (base + ids) the new context shares."""
-        old = self.base + self.ids
-        lcp = 0
-        for a, b in zip(old, context, strict=False):
-            if a != b:
-                break
-            lcp += 1
+        lcp = common_prefix(self.base + self.ids, context)
         kept = min(lcp, len(self.base) + self.sent) - len(self.base)
         if self.sent or not self.checked:  # a checked request's empty first window says nothing of k
             self.k = next_k(self.k, self.sent, kept)

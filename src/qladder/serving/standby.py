@@ -45,6 +45,7 @@ from qladder.serving import verify
 from qladder.serving.aborts import AbortRegistry
 from qladder.serving.auditor import Auditor
 from qladder.serving.cores import Cores
+from qladder.serving.drafts import common_prefix
 from qladder.types import FinishReason, Hazard
 
 _log = logging.getLogger("qladder.standby")
@@ -336,17 +337,16 @@ class StandbyPool:
             m.finish(FinishReason.DEGRADED, fallback=True)  # nothing is lost: the explicit fallback
             return True
         kept = self._kept.get(m.request_id)
-        n = _common(kept[1].token_ids, m.context) if isinstance(action, MoveTo) and kept is not None \
-            and kept[0] is m and kept[2] == j else 0
+        # at most all but the context's last id, fed again for the row that decides the next token
+        n = min(common_prefix(kept[1].token_ids, m.context), len(m.context) - 1) \
+            if isinstance(action, MoveTo) and kept is not None and kept[0] is m and kept[2] == j else 0
         if n:
             # Warm: the session that verified or checked this answer's windows holds rung j's cache
             # of its context up to the last window, and is fed only what it lacks: a verified
             # request that stops drafting, one id; a checked answer handed off (a hazard on INT4,
             # a refused window), the tokens since its last window.
-            self._kept.pop(m.request_id)
+            s = self._kept.pop(m.request_id)[1]
             self._forget_checks(m.request_id)
-            s = kept[1] if kept is not None else None
-            assert s is not None
             if n < s.n_tokens:
                 s.rollback(s.n_tokens - n)
             t.session, t.handoff = s, True
@@ -554,15 +554,6 @@ class StandbyPool:
         self._left(t)
         return False
 
-
-
-def _common(have: list[int], context: list[int]) -> int:
-    """How much of a kept session's ids a handoff keeps: their common prefix with the context, less
-    at least its last id (fed again, for the row that decides the next token)."""
-    n, limit = 0, min(len(have), len(context) - 1)
-    while n < limit and have[n] == context[n]:
-        n += 1
-    return n
 
 
 def _with_row(out: StepOutput, row: torch.Tensor) -> StepOutput:

@@ -261,11 +261,26 @@ def _wait(cond, timeout_s=30.0):
         time.sleep(0.02)
 
 
+def _closed_breaker(client, server) -> None:
+    """Past the breaker's window with the INT4 breaker closed, so that this test's own faulted
+    requests start on INT4 whichever tests ran on this worker's server before (xdist spreads this
+    module's tests over the workers, each with its own server): the clock moves past the window
+    and open_s, and clean probes close a half-open breaker."""
+    gw = server.gateway
+    CLOCK.t += 61
+    for p in PROMPTS[:2]:
+        if str(gw.breakers["int4"].mode) == "closed":
+            break
+        client.chat.completions.create(model=MODEL, messages=_chat(p), max_tokens=4, temperature=0)
+    _wait(lambda: str(gw.breakers["int4"].mode) == "closed")
+
+
 def test_incidents_cli_lists_shows_and_replays_the_stored_hazards(client, live):
     """Two faulted requests of its own (no other test's hazards needed), then the CLI on the store."""
     from qladder.cli import app
 
     _, server = live
+    _closed_breaker(client, server)  # two hazards of two requests: under min_requests, it stays closed
     ids = []
     for text in ("Name two rivers.", "What is 6 * 7?"):
         r = client.chat.completions.create(model=MODEL, messages=_chat(text), max_tokens=6, temperature=0,

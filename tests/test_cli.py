@@ -1,4 +1,9 @@
-"""The command line as a user meets it: answers, JSON, and one-line errors for bad input."""
+"""The command line as a user meets it: answers, JSON, and one-line errors for bad input.
+
+Answers run the real command in a child process (argv bytes, stdin, exit status). Bad input is
+refused before any model loads, so those tests invoke the same typer app in this process (the
+last test shows that the console script and `python -m qladder` are that app): a child would
+spend its seconds importing torch to print one line."""
 
 from __future__ import annotations
 
@@ -19,12 +24,19 @@ def run(*args: str | bytes, stdin: bytes | None = None, env: dict[str, str] | No
     return subprocess.run([*QLADDER, *args], input=stdin, capture_output=True, env=e, timeout=300)
 
 
-def _one_line_error(p) -> str:
-    err = p.stderr.decode()
-    assert p.returncode != 0
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith("qladder: error:")]
-    assert len(lines) == 1, err
+def _one_line_error(*args: str) -> str:
+    """The command's one error line: a non-zero exit, one `qladder: error:` line on stderr, and no
+    exception escaped the app (a crash, not a refusal)."""
+    from typer.testing import CliRunner
+
+    from qladder.cli import app
+
+    r = CliRunner().invoke(app, list(args))
+    assert r.exit_code != 0, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("qladder: error:")]
+    assert len(lines) == 1, r.stderr
     return lines[0]
 
 
@@ -59,8 +71,7 @@ def test_generate_verified_gives_fp32s_answer_and_refuses_a_ladder_with_no_verif
     ref = run("generate", "--rung", "fp32", "--json", "--max-tokens", "24", "What is the capital of France?")
     assert out["token_ids"] == json.loads(ref.stdout)["token_ids"] and "Paris" in out["text"]
     assert set(out["token_rungs"]) == {"fp32"} and out["timings"]["verify_windows"] >= 1
-    refused = run("generate", "--verified", "--rung", "fp32", "Hi")
-    assert "needs a ladder that starts on int4" in _one_line_error(refused)
+    assert "needs a ladder that starts on int4" in _one_line_error("generate", "--verified", "--rung", "fp32", "Hi")
 
 
 def test_stdin_with_invalid_utf8_and_nul_bytes_is_handled():
@@ -80,22 +91,22 @@ def test_lone_surrogate_argument_is_sanitized():
 
 
 def test_unknown_rung():
-    assert "unknown rung 'int3'" in _one_line_error(run("generate", "--rung", "int3", "hi"))
+    assert "unknown rung 'int3'" in _one_line_error("generate", "--rung", "int3", "hi")
 
 
 def test_bad_fault_spec():
-    assert "unknown fault" in _one_line_error(run("generate", "--fault", "boom@step=1", "hi"))
-    assert "malformed fault" in _one_line_error(run("generate", "--fault", "nan@step=x", "hi"))
+    assert "unknown fault" in _one_line_error("generate", "--fault", "boom@step=1", "hi")
+    assert "malformed fault" in _one_line_error("generate", "--fault", "nan@step=x", "hi")
 
 
 def test_missing_model_file(tmp_path):
-    assert "not found" in _one_line_error(run("generate", "--model", str(tmp_path / "nope.gguf"), "hi"))
+    assert "not found" in _one_line_error("generate", "--model", str(tmp_path / "nope.gguf"), "hi")
 
 
 def test_corrupt_model_file(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + os.urandom(256))
-    assert "GGUF" in _one_line_error(run("generate", "--model", str(bad), "hi"))
+    assert "GGUF" in _one_line_error("generate", "--model", str(bad), "hi")
 
 
 def test_unsupported_architecture(tmp_path):
@@ -108,25 +119,25 @@ def test_unsupported_architecture(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    assert "unsupported architecture 'gpt2'" in _one_line_error(run("generate", "--model", str(path), "hi"))
+    assert "unsupported architecture 'gpt2'" in _one_line_error("generate", "--model", str(path), "hi")
 
 
 def test_prompt_longer_than_context_is_truncated_and_reported():
-    words = " ".join(f"word{i}" for i in range(6000))  # ~ 18k tokens, context 2048
-    p = run("generate", "--rung", "int4", "--max-tokens", "4", "--json", words)
+    words = " ".join(f"word{i}" for i in range(6000))  # ~ 18k tokens, a context of 512
+    p = run("generate", "--rung", "int4", "--max-tokens", "4", "--json", words, env={"QLADDER_N_CTX": "512"})
     assert p.returncode == 0, p.stderr.decode()
     out = json.loads(p.stdout)
     assert "truncated_tokens" in {c["kind"] for c in out["input_changes"]}
-    assert out["prompt_tokens"] < 2048
+    assert 256 < out["prompt_tokens"] <= 512 - 4
 
 
 def test_bad_sampling_value():
-    assert "top_p" in _one_line_error(run("generate", "--top-p", "0", "hi"))
+    assert "top_p" in _one_line_error("generate", "--top-p", "0", "hi")
 
 
 @pytest.mark.parametrize("n", [0])
 def test_max_tokens_must_be_positive(n):
-    assert "max_tokens" in _one_line_error(run("generate", "--max-tokens", str(n), "hi"))
+    assert "max_tokens" in _one_line_error("generate", "--max-tokens", str(n), "hi")
 
 
 def test_help_lists_commands():

@@ -10,7 +10,13 @@ import json
 import pytest
 
 from qladder.errors import ConfigError
-from qladder.validate.remote import EXAMPLE_CONFIG, RemoteValidateConfig, load_remote_config, validate_remote
+from qladder.validate.remote import (
+    EXAMPLE_CONFIG,
+    RemoteValidateConfig,
+    gateway_toml,
+    load_remote_config,
+    validate_remote,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -25,6 +31,17 @@ def test_the_bundled_example_config_is_the_full_runs_defaults_and_mistakes_are_l
         load_remote_config(bad, quick=True)
     for part in ("unknown section [gpu]", "clients: expected int", "not faults of a served model"):
         assert part in str(e.value)
+    off = tmp_path / "off.toml"
+    off.write_text('[gateway]\ndrift_bound = 0\ndraft_check = "all"\n')
+    c = load_remote_config(off, quick=True)
+    assert (c.gateway_drift_bound, c.gateway_draft_check) == (0.0, "all")
+    toml = gateway_toml("http://a", "http://b", c, tmp_path / "i.db")
+    assert 'draft_check = "all"\ndrift_bound = 0.0\n' in toml
+    from qladder.server.topology import load_topology
+
+    (tmp_path / "serve.toml").write_text(toml)
+    t = load_topology(tmp_path / "serve.toml")
+    assert (t.server.draft_check, t.server.drift_bound) == ("all", 0.0)
 
 
 def test_validate_remote_shows_the_faults_bare_and_none_through_the_gateway(vllm_server, tmp_path):

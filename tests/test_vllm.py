@@ -244,3 +244,48 @@ def test_verified_decoding_over_a_corrupted_llama_server_is_still_vllms_answer(m
     assert ext["hazards"] and {(h["check"], h["rung"]) for h in ext["hazards"]} == {("nonfinite", "llama-server")}
     # no draft stands: after NO_PROGRESS windows vLLM writes the rest alone (not one window a token)
     assert len(ext["hazards"]) == stats["verified_windows"] == NO_PROGRESS
+
+
+def _stream_chunks(base: str, text: str, max_tokens: int) -> tuple[str, list[int], dict]:
+    """A greedy streamed answer: its text, the tokens each content chunk carried, the extension."""
+    with openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=300) as c:
+        chunks = list(c.chat.completions.create(model=MODEL, stream=True, max_tokens=max_tokens, temperature=0,
+                                                logprobs=True, messages=[{"role": "user", "content": text}]))
+    content = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    sizes = [len(ch.logprobs.content) for ch in content if ch.logprobs is not None and ch.logprobs.content]
+    return "".join(ch.delta.content for ch in content), sizes, chunks[-1].model_extra["qladder"]
+
+
+# Its answer's first tokens on the INT4 server (greedy): logprobs -0.66, -1.55 (mean -1.10, over the
+# suspect bound -1.25), each over the diffuse bound -2.2.
+SURE = "Who painted the Mona Lisa?"
+
+
+def test_an_unflagged_sure_draft_streams_at_once_and_a_flagged_inputs_draft_is_held_and_scored(
+        model_info, vllm_server, tmp_path):
+    """The draft check alone (drift windows off): an unflagged input's answer whose first tokens
+    are sure streams them as they come (its first text before its 8th token) and is not scored;
+    the same prompt with a NUL byte in it (removed by the input defence, so the same ids and the
+    same greedy answer, but flagged) holds its first 8 tokens until vLLM has scored them."""
+    def drafts() -> dict[str, int]:
+        s = server.engine.stats()
+        return {k: s[f"drafts_{k}"] for k in ("passed", "refused", "confident", "unchecked", "skipped")}
+
+    with LlamaServer(model_info.path, n_parallel=2, threads=1, n_ctx_per_slot=1024) as ls, \
+            serving(ls.base_url, vllm_server.base_url, tmp_path, drift_bound=0) as (server, base):
+        before = drafts()
+        sure_text, sure_sizes, sure_ext = _stream_chunks(base, SURE, 24)
+        between = drafts()
+        flagged_text, flagged_sizes, flagged_ext = _stream_chunks(base, SURE.replace(" ", "\x00 ", 1), 24)
+        after = drafts()
+    assert flagged_ext["input_changes"] and not sure_ext.get("input_changes")
+    assert sure_text == flagged_text and not sure_ext["hazards"] and not flagged_ext["hazards"]
+    assert {k: between[k] - before[k] for k in before} == {"passed": 0, "refused": 0, "confident": 1,
+                                                            "unchecked": 0, "skipped": 0}
+    assert {k: after[k] - between[k] for k in before} == {"passed": 1, "refused": 0, "confident": 0,
+                                                           "unchecked": 0, "skipped": 0}
+    # what was held before a client saw text: the sure draft's first token until the second came;
+    # the flagged one's whole draft until vLLM had scored it (the sure one's too, before this change)
+    assert sure_ext["timings"]["first_text_tokens"] <= 2 and flagged_ext["timings"]["first_text_tokens"] >= 8
+    assert sure_sizes[0] <= 2, sure_sizes
+    assert sum(sure_sizes) == sum(flagged_sizes) == sum(sure_ext["tokens_per_rung"].values())

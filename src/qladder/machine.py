@@ -163,6 +163,7 @@ class RequestMachine:
         start = self.stream.released
         n, text = self.stream.release(final)
         if n:
+            self.rec.first_text(self.clock(), len(self.stream.ids))
             ids, tags = self.stream.ids[start:start + n], self.stream.tags[start:start + n]
             self.emit(TokenEvent(self.request_id, ids, [r for r, _ in tags], text, self._lps(tags)))
 

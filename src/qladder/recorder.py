@@ -6,7 +6,9 @@ prefill of their own: it counts as the time to the first token), `rec.flush`, an
 `rec.verified(drafts, kept)` where it decided a window of verified decoding (the standby).
 
 - timings: ttft_ms (the first accepted token, EOS included), prefill_ms, total_ms, and the gap
-  between consecutive accepted tokens (`step_ms`); for verified decoding, the windows decided,
+  between consecutive accepted tokens (`step_ms`); first_text_ms and first_text_tokens (when the
+  first text was released, and how many tokens were accepted by then: what the checks held
+  back before a client saw anything); for verified decoding, the windows decided,
   the drafts in them and the drafts that stood (verify_windows, verify_drafts, verify_kept);
 - a handoff opens when a driver has carried out a move (`open_handoff`) and closes at the new
   rung's first accepted token, or at its first hazard (`close_handoff`): its latency runs from
@@ -55,6 +57,12 @@ class Recorder:
         if "ttft_ms" not in self.timings:
             self.timings["ttft_ms"] = (now - self.t0) * 1e3
             self.timings.setdefault("prefill_ms", self.timings["ttft_ms"])
+
+    def first_text(self, now: float, accepted: int) -> None:
+        """Text was released: the first release sets the time to it and the tokens held by then."""
+        if "first_text_ms" not in self.timings:
+            self.timings["first_text_ms"] = (now - self.t0) * 1e3
+            self.timings["first_text_tokens"] = accepted
 
     def token(self, now: float) -> None:
         """A token joined the answer: the gap since the previous one."""

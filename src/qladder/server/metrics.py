@@ -43,6 +43,9 @@ class ServerMetrics:
                                          buckets=LATENCY_BUCKETS_S, registry=r)
         self.ttft = Histogram("qladder_ttft_seconds", "Time to first token (admission to first accepted token)",
                               buckets=LATENCY_BUCKETS_S, registry=r)
+        self.first_text = Histogram("qladder_first_text_seconds", "Time to first text (admission to the first "
+                                    "released text: the first token plus what the checks held back)",
+                                    buckets=LATENCY_BUCKETS_S, registry=r)
         self.per_token = Histogram("qladder_time_per_token_seconds", "Time between accepted tokens",
                                    buckets=TOKEN_BUCKETS_S, registry=r)
         self.finishes = Counter("qladder_finishes", "Finished requests by qladder's finish reason",
@@ -121,6 +124,8 @@ class ServerMetrics:
                 self.tokens.labels(rung).inc(res.token_rungs.count(rung))
             if "ttft_ms" in res.timings:
                 self.ttft.observe(res.timings["ttft_ms"] / 1e3)
+            if "first_text_ms" in res.timings:
+                self.first_text.observe(res.timings["first_text_ms"] / 1e3)
             for ms in res.step_ms:
                 self.per_token.observe(ms / 1e3)
             self.finishes.labels(str(res.finish_reason)).inc()

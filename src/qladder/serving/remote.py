@@ -82,8 +82,8 @@ class RemotePool:
         self.steps = 0  # tokens judged
         self.stalls = 0  # deadline hazards
         self.prefix_hits = 0
-        # answers' first tokens the standby scored (passed, refused, could not say), released unscored
-        # (a confident draft of an unflagged input), or not held (a prompt over
+        # answers' first tokens the standby scored (passed, refused, could not say), streamed unscored
+        # (an unflagged input's draft that stayed sure to its end), or not held (a prompt over
         # `verify_max_context`); written by the loop thread
         self.checks = {"passed": 0, "refused": 0, "drift": 0, "unchecked": 0, "confident": 0, "skipped": 0}
         self.verified = {"windows": 0, "drafted": 0, "stood": 0}  # verified decoding (remote_verified.py)
@@ -258,7 +258,7 @@ class RemotePool:
         deadline = m.config.guard.step_deadline_s
         faults = fault_seam.token_faults(m.req.faults) if j == 0 else None  # step faults hit the rung under test only
         visit = RemoteVisit(m)
-        if visit.ended:  # what the visit released (the last rung's held tokens) ended it
+        if visit.ended():  # what the visit released (the last rung's held tokens) ended it
             return None
         n_check = self._hold_window(visit, j)
         stream = rung.stream(self._client, m.context, m.params, max(1, m.params.max_tokens - m.step))
@@ -287,6 +287,7 @@ class RemotePool:
                     first = False
                     self._set_healthy(j, True)
                 if isinstance(item, RemoteEnd):
+                    self._draft_confident(visit)
                     if m.unchecked and (refused := await self._check_draft(visit, j)) is not None:
                         return refused
                     m.finish(FinishReason.LENGTH if item.length else FinishReason.STOP)
@@ -307,8 +308,14 @@ class RemotePool:
                     if hazard.check == "deadline":
                         self.stalls += 1
                     return hazard
+                if visit.ended():  # what the visit released completed a stop string
+                    return None
+                if visit.check_at:  # the watched draft turned unsure: held to its end, then scored
+                    n_check, visit.check_at = visit.check_at, 0
                 lp = _logprob(item, m.params.logprobs) if m.params.logprobs is not None else None
                 action = m.accept_token(t, lp)
+                if visit.watch_until and m.step >= visit.watch_until:
+                    self._draft_confident(visit)
                 if isinstance(action, Done):  # a stop string in what was released (before any held window)
                     return None
                 if m.unchecked and (isinstance(action, Confirm | MoveTo | Verify) or m.step >= n_check):
@@ -331,7 +338,8 @@ class RemotePool:
         """Hold the next window of this answer on rung j for the rung above to check: the answer's
         first `verify_tokens` (the draft), then every `drift_window` tokens where the drift
         window is on. The step at which the window is checked (0: none; the rest is released as
-        it comes)."""
+        it comes). A draft that only its own logprobs could make worth scoring is watched
+        instead (0 here; the loop holds it from the token that makes it unsure)."""
         m, g = visit.m, visit.m.config.guard
         d = g.draft
         above = self.rungs.get(j + 1)
@@ -343,8 +351,17 @@ class RemotePool:
             if m.step == 0:
                 self.checks["skipped"] += 1
             return 0
+        if m.step == 0 and not self._drifts(m) and not self._suspect_input(m, j):
+            visit.watch(size)  # streamed, and held from the first token that makes it unsure
+            return 0
         visit.await_draft_check(size)
         return m.step + size
+
+    def _draft_confident(self, visit: RemoteVisit) -> None:
+        """A watched draft ended sure: streamed as it came, not scored."""
+        if visit.watch_until:
+            visit.watch_until = 0
+            self.checks["confident"] += 1
 
     async def _check_draft(self, visit: RemoteVisit, j: int) -> Hazard | None:
         """Score the held window on rung j + 1 (one prefill); the refusal, or None (released)."""
@@ -355,10 +372,6 @@ class RemotePool:
         draft = m.accepted[start:]
         own = visit.drawn[start - visit.start:start - visit.start + len(draft)]
         if not draft:  # an answer that ended at once: nothing to score or release
-            visit.draft_checked([])
-            return None
-        if start == 0 and not self._drifts(m) and not self._suspect(m, j, own):
-            self.checks["confident"] += 1
             visit.draft_checked([])
             return None
         try:
@@ -391,13 +404,14 @@ class RemotePool:
         scheduler's checked windows ask the same (`drafts.holds_windows`)."""
         return holds_windows(m.params, m.config.guard)
 
-    def _suspect(self, m: RequestMachine, j: int, own: list[float]) -> bool:
-        """Whether a draft is worth the standby's prefill: a flagged input, or an unsure rung."""
-        bound = m.config.guard.draft.verify_suspect_logprob
-        if bound is None or m.req.flagged:
+    def _suspect_input(self, m: RequestMachine, j: int) -> bool:
+        """Whether every draft of this request is worth the standby's prefill: no suspect bound, a
+        flagged input, or a prompt with a lone byte's id in it. Any other draft is scored only
+        once its own logprobs fall under the bound (`RemoteVisit.watch`)."""
+        if m.config.guard.draft.verify_suspect_logprob is None or m.req.flagged:
             return True
         lone = self.rungs[j].lone_byte_ids
-        return any(t in lone for t in m.prompt) or sum(own) / len(own) < bound
+        return any(t in lone for t in m.prompt)
 
     async def _greedy_token(self, m: RequestMachine, j: int) -> int | None:
         """Rung j's greedy next token on the request's context (None: it could not say)."""

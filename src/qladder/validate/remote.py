@@ -78,6 +78,9 @@ class RemoteValidateConfig:
     vllm_kv_cache_gib: int = 1
     vllm_eager: bool = False  # --enforce-eager: starts in ~30 s instead of ~80-100 s, ~10% slower
     vllm_url: str | None = None  # a running vLLM on the same fp32 weights (else started here)
+    # the gateway's [server] checks (`qladder serve`'s defaults unless the config's [gateway] says)
+    gateway_draft_check: str = "suspect"
+    gateway_drift_bound: float = 0.5
     corpus_dir: Path | None = None
 
     @classmethod
@@ -98,7 +101,8 @@ class RemoteValidateConfig:
 
 
 def load_remote_config(path: Path | None, quick: bool) -> RemoteValidateConfig:
-    """The run's settings: the preset, overridden by the TOML's [run], [llama_server] and [vllm]."""
+    """The run's settings: the preset, overridden by the TOML's [run], [llama_server], [vllm] and
+    [gateway]."""
     base = RemoteValidateConfig.quick_preset() if quick else RemoteValidateConfig()
     if path is None:
         if quick:
@@ -112,7 +116,8 @@ def load_remote_config(path: Path | None, quick: bool) -> RemoteValidateConfig:
                     "clients", "reference_prompts", "request_timeout_s"},
             "llama_server": {"slots": "llama_slots", "threads": "llama_threads", "n_ctx_per_slot": "n_ctx_per_slot"},
             "vllm": {"threads": "vllm_threads", "max_num_seqs": "vllm_max_num_seqs",
-                     "kv_cache_gib": "vllm_kv_cache_gib", "eager": "vllm_eager", "url": "vllm_url"}}
+                     "kv_cache_gib": "vllm_kv_cache_gib", "eager": "vllm_eager", "url": "vllm_url"},
+            "gateway": {"draft_check": "gateway_draft_check", "drift_bound": "gateway_drift_bound"}}
     values: dict[str, Any] = {}
     errors = [f"unknown section [{k}]" for k in data if k not in keys]
     for section, known in keys.items():
@@ -165,8 +170,9 @@ class Served:
     patch: dict[str, object] | None = None
 
 
-def _gateway_toml(llama_url: str, vllm_url: str, c: RemoteValidateConfig, incidents: Path) -> str:
-    return (f'[server]\nincidents = "{incidents}"\ndefault_max_tokens = {c.max_tokens}\n\n'
+def gateway_toml(llama_url: str, vllm_url: str, c: RemoteValidateConfig, incidents: Path) -> str:
+    return (f'[server]\nincidents = "{incidents}"\ndefault_max_tokens = {c.max_tokens}\n'
+            f'draft_check = "{c.gateway_draft_check}"\ndrift_bound = {c.gateway_drift_bound}\n\n'
             f'[model]\nn_ctx = {c.n_ctx_per_slot}\n\n'
             f'[[pools]]\nname = "int4"\nrungs = ["llama-server"]\nurl = "{llama_url}"\nslots = {c.llama_slots}\n'
             f'max_queue = 256\nweight = 1.0\nhandoff_to = "standby"\n\n'
@@ -179,7 +185,7 @@ def start_gateway(s: Served, vllm_url: str, c: RemoteValidateConfig, work: Path)
 
     cfg = work / f"serve-{s.name}.toml"
     s.incidents = work / f"incidents-{s.name}.sqlite3"
-    cfg.write_text(_gateway_toml(s.llama.base_url, vllm_url, c, s.incidents), encoding="utf-8")
+    cfg.write_text(gateway_toml(s.llama.base_url, vllm_url, c, s.incidents), encoding="utf-8")
     s.gateway, s.gateway_url = start_qladder_serve(cfg, work / f"serve-{s.name}.log")
 
 
@@ -586,7 +592,7 @@ def describe_servers(run: RemoteRun, vllm: Any, vllm_url: str) -> dict[str, Any]
                          "models": {n: {"gguf": s.llama.args[2], "patch": s.patch} for n, s in run.served.items()}},
         "vllm": {"url": vllm_url, "started_here": vllm is not None,
                  **(vllm.flags() if vllm is not None else {})},
-        "qladder_serve": {"topology": _gateway_toml("<llama-server>", "<vllm>", run.cfg, Path("<incidents>")),
+        "qladder_serve": {"topology": gateway_toml("<llama-server>", "<vllm>", run.cfg, Path("<incidents>")),
                           "processes": sum(1 for s in run.served.values() if s.gateway)},
         "concurrency": {"clients": run.cfg.clients, "mode": "each configuration in turn, clients in parallel"},
     }

@@ -295,115 +295,73 @@ def test_remote_guard_sees_a_diffused_distribution_only_where_a_higher_rung_can_
     assert early is not None and early.check == "diffuse" and early.threshold == g.config.remote.diffuse_first_logprob
 
 
-def test_a_remote_rung_streams_sure_tokens_at_once_and_rolls_a_diffused_window_back_from_its_first_unsure_one():
-    """Released on confidence: a token whose top-1 is at or over the diffuse bound cannot take a
-    window's mean under it, so sure tokens stream as they come; the unsure ones among the last
-    `diffuse_window - 1` are held from the first, and a diffused window is rolled back to there."""
-    from qladder.actions import MoveTo
+def _remote_machine(window: int = 8):
     from qladder.client import Request
-    from qladder.health.remote import RemoteToken
     from qladder.machine import RequestMachine
     from qladder.policy import LadderConfig
     from qladder.serving.remote_visit import RemoteVisit
 
-    events = []
-    cfg = LadderConfig(guard=GuardConfig(remote=RemoteChecks(diffuse_window=4, diffuse_logprob=-2.0)))
+    cfg = LadderConfig(guard=GuardConfig(remote=RemoteChecks(diffuse_window=window, diffuse_logprob=-2.2)))
     m = RequestMachine(Request("r", (1, 2, 3)), ["llama-server", "vllm"], [512, 512], frozenset({0}),
-                       lambda ids: b"".join(b"%d " % i for i in ids), cfg, StepGuard(cfg.guard), emit=events.append)
-    visit = RemoteVisit(m)
-    assert m.stream.hold == 0 and visit.reach == 3
+                       lambda ids: b"".join(b"%d " % i for i in ids), cfg, StepGuard(cfg.guard), emit=lambda e: None)
+    return RemoteVisit(m)
 
-    def judge(t: int, lp: float):
-        return visit.judge(RemoteToken(t, lp, None, ((t, lp),)), 0.01, 49152, None)
 
-    for k, (t, lp) in enumerate(((10, -0.1), (11, -0.2), (12, -0.1), (13, -0.3), (14, -0.2))):  # sure
-        assert judge(t, lp) is None
-        m.accept_token(t)
-        assert m.stream.released == k + 1  # each one out as it comes
-    held = []
-    for t, lp in ((15, -3.0), (16, -3.0), (17, -3.0)):  # the distribution diffuses: [14..17] averages under -2.0
-        h = judge(t, lp)
+def _remote_token(t: int, lp: float | None):
+    from qladder.health.remote import RemoteToken
+
+    return RemoteToken(t, lp, None, ((t, lp),))
+
+
+def test_an_answers_first_window_streams_sure_tokens_at_once_and_a_diffused_one_rolls_back_from_its_first_unsure():
+    """Released on confidence within an answer's first window (8 tokens): a token at or over the
+    diffuse bounds cannot take a window's (or a prefix's) mean under them, so sure tokens go out as
+    they come; the unsure ones are held from the first, and a diffused prefix is rolled back there."""
+    from qladder.actions import MoveTo
+
+    visit = _remote_machine()
+    m = visit.m
+    assert m.stream.hold == 0 and visit.reach == 7
+    released, h = [], None
+    for t, lp in ((10, -0.1), (11, -0.2), (12, -0.1), (13, -0.3), (14, -6.0), (15, -6.0), (16, -6.0)):
+        h = visit.judge(_remote_token(t, lp), 0.01, 49152, None)
         if h is not None:
             break
         m.accept_token(t)
-        held.append(len(m.accepted) - m.stream.released)
-    assert held == [1, 2]  # from 15, the first unsure token, on
-    assert h is not None and h.check == "diffuse" and h.step == 7
+        released.append(m.stream.released)
+    assert released == [1, 2, 3, 4, 4, 4]  # each sure one out as it comes; 14 on, held
+    assert h is not None and h.check == "diffuse" and h.step == 6  # the prefix averages -2.63 (under -2.5)
     assert isinstance(m.on_hazard(h, None), MoveTo)
-    assert m.accepted == [10, 11, 12, 13, 14] and m.context == [1, 2, 3, 10, 11, 12, 13, 14]  # what was shown
-    assert m.token_rungs == ["llama-server"] * 5
+    assert m.accepted == [10, 11, 12, 13] and m.context == [1, 2, 3, 10, 11, 12, 13]  # what was shown
+    assert m.token_rungs == ["llama-server"] * 4
 
 
-def test_an_unsure_token_is_held_until_every_window_that_holds_it_has_passed():
-    from qladder.client import Request
-    from qladder.health.remote import RemoteToken
-    from qladder.machine import RequestMachine
-    from qladder.policy import LadderConfig
-    from qladder.serving.remote_visit import RemoteVisit
-
-    cfg = LadderConfig(guard=GuardConfig(remote=RemoteChecks(diffuse_window=4, diffuse_logprob=-2.0)))
-    m = RequestMachine(Request("r", (1, 2, 3)), ["llama-server", "vllm"], [512, 512], frozenset({0}),
-                       lambda ids: b"".join(b"%d " % i for i in ids), cfg, StepGuard(cfg.guard), emit=lambda e: None)
-    visit = RemoteVisit(m)
+def test_past_the_first_window_a_remote_rung_holds_its_last_seven_again():
+    """An unsure token is held with what follows it; past the answer's first window the last 7
+    are held whatever they are (a confident flood stays unreleased until the repetition rule sees
+    it), so the stream waits once for that lag to build up."""
+    visit = _remote_machine()
+    m = visit.m
     released = []
-    for t, lp in ((10, -0.1), (11, -2.5), (12, -0.1), (13, -0.1), (14, -0.1), (15, -0.1)):
-        assert visit.judge(RemoteToken(t, lp, None, ((t, lp),)), 0.01, 49152, None) is None
+    for t, lp in enumerate((-0.1, -2.5, -0.1, -0.1, -0.1, -0.1, -0.1, -0.1, -0.1, -0.1, -0.1), start=10):
+        assert visit.judge(_remote_token(t, lp), 0.01, 49152, None) is None
         m.accept_token(t)
         released.append(m.stream.released)
-    # 11 is unsure: held (with what follows it) while a refusal could still take it back, that is
-    # until the three tokens after it have passed their windows; then all out at once
-    assert released == [1, 1, 1, 1, 5, 6]
-    lone = RemoteVisit(RequestMachine(Request("s", (1, 2, 3)), ["llama-server"], [512], frozenset({0}),
-                                      lambda ids: b"", cfg, StepGuard(cfg.guard), emit=lambda e: None))
-    assert lone.reach == 0  # no rung above: nothing to roll back to, nothing held
-
-
-def test_a_watched_draft_streams_while_sure_and_is_held_from_the_token_that_makes_it_unsure():
-    """An unflagged input's draft (5 tokens here, bound -1.25): its first two held until their mean
-    says something; sure, they stream as they come and nothing is scored; unsure at the second, the
-    whole draft is held for the check; unsure later, from that token on."""
+    assert released == [1] * 8 + [2, 3, 4]  # 11 held (unsure) with what follows; from the 9th, the last 7
+    sure = _remote_machine()
+    out = []
+    for t in range(10, 21):
+        assert sure.judge(_remote_token(t, -0.1), 0.01, 49152, None) is None
+        sure.m.accept_token(t)
+        out.append(sure.m.stream.released)
+    assert out == [1, 2, 3, 4, 5, 6, 7, 8, 8, 8, 8]  # the first window out at once, then the lag builds up
     from qladder.client import Request
-    from qladder.health.guard import DraftCheck
-    from qladder.health.remote import RemoteToken
     from qladder.machine import RequestMachine
-    from qladder.policy import LadderConfig
     from qladder.serving.remote_visit import RemoteVisit
 
-    cfg = LadderConfig(guard=GuardConfig(remote=RemoteChecks(diffuse_window=4, diffuse_logprob=-6.0),
-                                         draft=DraftCheck(verify_suspect_logprob=-1.25)))
-
-    def run(own: list[float]) -> tuple[RemoteVisit, list[int]]:
-        m = RequestMachine(Request("r", (1, 2, 3)), ["llama-server", "vllm"], [512, 512], frozenset({0}),
-                           lambda ids: b"".join(b"%d " % i for i in ids), cfg, StepGuard(cfg.guard),
-                           emit=lambda e: None)
-        visit = RemoteVisit(m)
-        visit.watch(5)
-        released = []
-        for t, lp in enumerate(own, start=10):
-            assert visit.judge(RemoteToken(t, lp, None, ((t, lp),)), 0.01, 49152, None) is None
-            m.accept_token(t)
-            released.append(m.stream.released)
-        return visit, released
-
-    sure, released = run([-2.0, -0.2, -0.1, -1.0, -0.3])  # the first token alone would have looked unsure
-    assert released == [0, 2, 3, 4, 5] and sure.check_at == 0 and not sure.m.unchecked
-    early, released = run([-2.0, -1.0, -0.1, -0.1, -0.1])  # -1.5 over the first two
-    assert early.check_at == 5 and early.held_from == 0 and early.m.unchecked and released == [0] * 5
-    late, released = run([-0.1, -0.1, -0.1, -5.0, -0.1])  # -1.33 at the fourth
-    assert late.check_at == 5 and late.held_from == 3 and released == [0, 2, 3, 3, 3]
-
-
-def test_check_draft_refuses_the_first_token_the_standby_finds_far_less_likely():
-    from qladder.health.remote import check_draft
-
-    draft, own = [5, 6, 7, 8], [-0.1, -0.5, -0.2, -0.3]
-    assert check_draft(draft, own, [-0.3, -2.0, -4.0, -1.0], "llama-server", "vllm", 8.0) is None  # differs, plausibly
-    h = check_draft(draft, own, [-0.3, -12.0, -15.0, -1.0], "llama-server", "vllm", 8.0, start=3)
-    assert h is not None and h.check == "verify" and h.step == 3 + 1 and h.value == -0.5 + 12.0
-    # a rare token the rung itself drew as rare (sampling) is not refused: the gap is relative
-    assert check_draft([9], [-9.0], [-11.0], "llama-server", "vllm", 8.0) is None
-    assert check_draft([9], [-0.1], [float("nan")], "llama-server", "vllm", 8.0) is None  # the standby said nothing
-    assert check_draft([9], [-0.1], [-9999.0], "llama-server", "vllm", 8.0) is not None  # vLLM's -inf clamp
+    top = RemoteVisit(RequestMachine(Request("s", (1, 2, 3)), ["llama-server"], [512], frozenset({0}),
+                                     lambda ids: b"", m.config, StepGuard(m.config.guard), emit=lambda e: None))
+    assert top.reach == 0  # no rung above: nothing to roll back to, nothing held
 
 
 def _draft_machine(max_tokens: int = 16):
@@ -454,9 +412,9 @@ def test_a_passed_draft_is_released_as_a_remote_rung_releases_and_an_early_end_w
     visit, events = _draft_machine()
     m = visit.m
     _feed(visit, [10, 11, 12, 13, 14])
-    visit.draft_checked([])  # its tokens are sure (-0.1 each): all out at once
-    assert not m.unchecked and m.stream.hold == 0 and m.stream.released == 5
-    assert [e.token_ids for e in events if isinstance(e, TokenEvent)] == [[10, 11, 12, 13, 14]]
+    visit.draft_checked([])  # past the first window (4 tokens here): the last 3 held, as a remote rung holds them
+    assert not m.unchecked and m.stream.hold == 3 and m.stream.released == 2
+    assert [e.token_ids for e in events if isinstance(e, TokenEvent)] == [[10, 11]]
 
     short, _ = _draft_machine(max_tokens=3)
     action = _feed(short, [10, 11, 12])  # the length ends it inside the draft: the check comes first

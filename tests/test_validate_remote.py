@@ -26,10 +26,12 @@ def test_the_bundled_example_config_is_the_full_runs_defaults_and_mistakes_are_l
     assert load_remote_config(EXAMPLE_CONFIG, quick=False) == RemoteValidateConfig()
     assert {m.fault_set for m in RemoteValidateConfig().models()} == {"train", "test"}
     bad = tmp_path / "bad.toml"
-    bad.write_text('[run]\nclients = "four"\nfault_names = ["nan_logits"]\n[gpu]\nx = 1\n')
+    bad.write_text('[run]\nclients = "four"\nfault_names = ["nan_logits"]\n[gpu]\nx = 1\n'
+                   '[gateway]\ndraft_check = "some"\n')
     with pytest.raises(ConfigError) as e:
         load_remote_config(bad, quick=True)
-    for part in ("unknown section [gpu]", "clients: expected int", "not faults of a served model"):
+    for part in ("unknown section [gpu]", "clients: expected int", "not faults of a served model",
+                 "draft_check: 'some' is none of"):
         assert part in str(e.value)
     off = tmp_path / "off.toml"
     off.write_text('[gateway]\ndrift_bound = 0\ndraft_check = "all"\n')

@@ -68,7 +68,7 @@ def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
 DRIVER_VIEW = frozenset({
     # read
     "request_id", "req", "params", "config", "guard", "rungs", "rung", "prompt", "context", "accepted",
-    "step", "unchecked", "left_at", "rec", "done", "eos_ids", "n_ctx", "audit",
+    "step", "unchecked", "left_at", "rec", "done", "eos_ids", "n_ctx", "audit", "released",
     # call
     "on_hazard", "on_verify", "moved", "finish", "accept_token", "hold", "decided_by",
 })
@@ -112,6 +112,10 @@ class RequestMachine:
     @property
     def context(self) -> list[int]:
         return self.prompt + self.stream.ids
+
+    @property
+    def released(self) -> int:  # the answer's tokens a client has been sent
+        return self.stream.released
 
     @property
     def token_rungs(self) -> list[str]:
@@ -163,7 +167,8 @@ class RequestMachine:
         start = self.stream.released
         n, text = self.stream.release(final)
         if n:
-            self.rec.first_text(self.clock(), len(self.stream.ids))
+            if text:
+                self.rec.first_text(self.clock(), len(self.stream.ids))
             ids, tags = self.stream.ids[start:start + n], self.stream.tags[start:start + n]
             self.emit(TokenEvent(self.request_id, ids, [r for r, _ in tags], text, self._lps(tags)))
 

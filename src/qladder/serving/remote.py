@@ -15,8 +15,9 @@ remote rung (a `RequestMachine` is handed to the loop by `submit`, and away from
     a dropped connection, a 5xx, a malformed chunk or a gap past the deadline is a hazard too
     Verify(j) (a loop seen on an in-process rung): one greedy token from rung j decides
     the answer's first tokens, where the rung above can score (vLLM): held, then scored there in
-       one prefill before any is released (`check_draft`); a refused token moves the answer to
-       that rung from the tokens before it, as speculative decoding rejects a draft
+       one prefill before any is released (`check_draft`), or, for an unflagged input, streamed
+       while sure and held from where they are not (`RemoteVisit.watch`); a refused token moves
+       the answer to that rung from the tokens before it, as speculative decoding rejects a draft
 
 As rung 0 the pool has the INT4 scheduler's interface (submit, resubmit, healthy, stats), so
 ServingEngine drives either. While a rung's server is unreachable the rung is unhealthy (for
@@ -235,8 +236,9 @@ class RemotePool:
         assert self._client is not None
         rung = self.rungs[j]
         self._on[j] += 1
+        visit = RemoteVisit(m)
         try:
-            hazard = await self._tokens(m, rung, j)
+            hazard = await self._tokens(m, rung, j, visit)
         except RemoteStreamError as exc:
             hazard = self._error(m, str(exc))
         except httpx.HTTPError as exc:
@@ -244,20 +246,23 @@ class RemotePool:
             hazard = self._error(m, f"{rung.name} connection failed: {exc!r}")
         finally:
             self._on[j] -= 1
+        visit.leave(isinstance(hazard, Hazard))
         if isinstance(hazard, Hazard):
             return m.on_hazard(hazard, None)
+        if visit.watched and not visit.scored:  # a watched draft that stayed sure: streamed unscored
+            self.checks["confident"] += 1
         return hazard
 
     def _error(self, m: RequestMachine, detail: str) -> Hazard:
         return Hazard("engine_error", m.rungs[m.rung], m.step, detail=detail)
 
-    async def _tokens(self, m: RequestMachine, rung: RemoteRung, j: int) -> Hazard | MoveTo | Verify | None:
+    async def _tokens(self, m: RequestMachine, rung: RemoteRung, j: int, visit: RemoteVisit
+                      ) -> Hazard | MoveTo | Verify | None:
         """Judge and release the streamed tokens. None: the request ended (done or aborted); a
         Hazard (the stream is closed on return: the server stops this request); or a policy move."""
         assert self._client is not None  # made by the loop's thread before any request runs
         deadline = m.config.guard.step_deadline_s
         faults = fault_seam.token_faults(m.req.faults) if j == 0 else None  # step faults hit the rung under test only
-        visit = RemoteVisit(m)
         if visit.ended():  # what the visit released (the last rung's held tokens) ended it
             return None
         n_check = self._hold_window(visit, j)
@@ -287,8 +292,7 @@ class RemotePool:
                     first = False
                     self._set_healthy(j, True)
                 if isinstance(item, RemoteEnd):
-                    self._draft_confident(visit)
-                    if m.unchecked and (refused := await self._check_draft(visit, j)) is not None:
+                    if m.unchecked and (refused := await self._check_draft(visit, j, final=True)) is not None:
                         return refused
                     m.finish(FinishReason.LENGTH if item.length else FinishReason.STOP)
                     return None
@@ -315,11 +319,12 @@ class RemotePool:
                 lp = _logprob(item, m.params.logprobs) if m.params.logprobs is not None else None
                 action = m.accept_token(t, lp)
                 if visit.watch_until and m.step >= visit.watch_until:
-                    self._draft_confident(visit)
+                    visit.watch_until = 0  # the draft ended sure: no longer watched
                 if isinstance(action, Done):  # a stop string in what was released (before any held window)
                     return None
                 if m.unchecked and (isinstance(action, Confirm | MoveTo | Verify) or m.step >= n_check):
-                    if (refused := await self._check_draft(visit, j)) is not None:
+                    final = not isinstance(action, Continue)
+                    if (refused := await self._check_draft(visit, j, final)) is not None:
                         return refused
                     if m.done is not None:  # the released window completed a stop string
                         return None
@@ -340,6 +345,9 @@ class RemotePool:
         window is on. The step at which the window is checked (0: none; the rest is released as
         it comes). A draft that only its own logprobs could make worth scoring is watched
         instead (0 here; the loop holds it from the token that makes it unsure)."""
+        if visit.check_at:  # the watch held the draft to its end: checked there
+            n, visit.check_at = visit.check_at, 0
+            return n
         m, g = visit.m, visit.m.config.guard
         d = g.draft
         above = self.rungs.get(j + 1)
@@ -352,21 +360,18 @@ class RemotePool:
                 self.checks["skipped"] += 1
             return 0
         if m.step == 0 and not self._drifts(m) and not self._suspect_input(m, j):
-            visit.watch(size)  # streamed, and held from the first token that makes it unsure
-            return 0
+            return visit.watch(size)  # streamed while sure, held from where it is not
         visit.await_draft_check(size)
         return m.step + size
 
-    def _draft_confident(self, visit: RemoteVisit) -> None:
-        """A watched draft ended sure: streamed as it came, not scored."""
-        if visit.watch_until:
-            visit.watch_until = 0
-            self.checks["confident"] += 1
-
-    async def _check_draft(self, visit: RemoteVisit, j: int) -> Hazard | None:
-        """Score the held window on rung j + 1 (one prefill); the refusal, or None (released)."""
+    async def _check_draft(self, visit: RemoteVisit, j: int, final: bool = False) -> Hazard | None:
+        """Score the held window on rung j + 1 (one prefill); the refusal, or None (released, or
+        a watched draft's first tokens decided on: `RemoteVisit.decide`). `final`: the answer
+        leaves the rung with this window."""
         assert self._client is not None
         m = visit.m
+        if visit.watch_until and not visit.decide(final):
+            return None
         above, g = self.rungs[j + 1], m.config.guard
         start = visit.held_from
         draft = m.accepted[start:]
@@ -374,6 +379,7 @@ class RemotePool:
         if not draft:  # an answer that ended at once: nothing to score or release
             visit.draft_checked([])
             return None
+        visit.scored = True
         try:
             scored = await asyncio.wait_for(above.score(self._client, m.context[:len(m.prompt) + start], draft),
                                             self.config.check_timeout_s)

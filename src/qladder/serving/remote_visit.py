@@ -5,22 +5,31 @@ token's logprob and top-k. Across the tokens of one visit they need the rung's t
 (the `diffuse` window) and the logprobs of the tokens it drew (the standby's draft check); the
 visit keeps both, and tells the machine how many tokens to hold back.
 
-Released on confidence. With a rung above, a window the `diffuse` check refuses is rolled back to
-what was released (`RequestMachine.on_hazard`). A window's mean top-1 logprob can fall under the
-bound only through a token whose own top-1 is under it, so the visit holds, of the last
-`diffuse_window - 1` tokens (those a refusal at the next token would take back), the ones from the
-first such unsure token on; a run of sure tokens streams at once, and a refusal rolls back from
-the first unsure token of its window. (It used to hold the last `diffuse_window - 1` whatever they
-were: no answer's first text before its 8th token.)
+Released on confidence, at an answer's start. With a rung above, a window the `diffuse` check
+refuses is rolled back to what was released (`RequestMachine.on_hazard`), so a remote rung holds
+its last `diffuse_window - 1` accepted tokens (those a refusal at the next token would take
+back). The hold has a second use: a flood of confident tokens (`((((`, tokenized irregularly, so
+no period shows in the ids at first) stays unreleased until the repetition rule sees it, and
+the end keeps one copy. Within an answer's first window, where that hold alone would keep any
+text back until the 8th token, the visit holds only the tokens from the first unsure one on: a
+window's mean top-1 logprob can fall under the bound only through a token whose own top-1 is
+under it, so a refusal there rolls back from the first unsure token. Past the first window the
+last 7 are held again (the stream pauses for those 7 tokens once). Measured before this limit,
+with sure tokens released all through the answer: a long-math prompt's `((((` flood, trimmed to
+`(((` under the full hold, went out whole (`bench/results/validate-remote-quick-2026-12-04-hold-*`).
 
 The draft: an answer whose first tokens will be scored by the rung above (a flagged input, a
-greedy answer under drift windows) holds them from the start (`await_draft_check`); any other is
-`watch`ed: its first `WATCH_MIN` tokens are held, then its tokens stream while the mean of their
-own logprobs (from the first) stays at or over the suspect bound; the token that takes it under
-starts a held window to the draft's end (from the first token when that is the `WATCH_MIN`th),
-scored then. An answer's first token is where it picks its phrasing, often at -1.5 to -2.2 on a
-clean answer, so one token says too little: over the first two, five clean greedy answers of the
-embedded model ran -1.08 to -1.17 (bound -1.25), none under, as over their first eight.
+prompt with a lone byte's id, `draft_check = "all"`, a greedy answer under drift windows) holds
+them from the start (`await_draft_check`). Any other is `watch`ed: its first `WATCH_MIN` tokens
+are held and decided on together (`decide`: the mean of their own logprobs under the suspect
+bound, or an answer that ends inside them and is unsure, sends them to be scored; sure, they go
+out), then its tokens stream while the mean from the first stays at or over the bound; the
+token that takes it under holds the draft from its first unreleased token to its end, scored
+then (`hold_watched`). Tokens out before that were never scored: the price of streaming. An
+answer's first token is where it picks its phrasing, often at -1.5 to -2.2 on a clean answer,
+so one token says too little: over the first two, five clean greedy answers of the embedded
+model ran -1.08 to -1.17 (bound -1.25), none under, as over their first eight. On a hazard, a
+watched draft's held tokens are rolled back with the rest (`leave`).
 A visit ends when the request leaves the rung; the next visit starts empty.
 """
 
@@ -32,7 +41,7 @@ from qladder.health.remote import RemoteToken, check_remote
 from qladder.machine import RequestMachine
 from qladder.types import Hazard
 
-WATCH_MIN = 2  # a watched draft's tokens held before its mean logprob says anything
+WATCH_MIN = 2  # a watched draft's first tokens, held and decided on together
 
 
 class RemoteVisit:
@@ -50,21 +59,23 @@ class RemoteVisit:
         r = g.remote
         # the diffuse check's reach back: the tokens a refusal at the next token rolls back
         self.reach = r.diffuse_window - 1 if self.climb and g.check_logits and r.diffuse_logprob is not None else 0
-        self.sure = r.diffuse_logprob if r.diffuse_logprob is not None else -math.inf
-        self.watch_until = 0  # a watched draft's end (the answer's step), 0: none
-        self.watch_start = 0  # its first token's step
+        # a token at or over both bounds cannot take a window's mean (or a prefix's) under them
+        self.sure = max(r.diffuse_logprob, r.diffuse_first_logprob) if r.diffuse_logprob is not None else -math.inf
+        self.watch_until = 0  # a watched draft's end (the answer's step); 0: none, or no longer watched
         self.watch_from = 0  # its first token's index in `drawn`
-        self.check_at = 0  # set when a watched draft turns unsure: the step its window is checked at
+        self.watched = False  # this visit watched a draft ...
+        self.scored = False  # ... and sent a window of it to the rung above
+        self.check_at = 0  # the step at which a window held by the watch is checked (0: none pending)
         m.hold(self.held())
 
     def held(self) -> int:
-        """Tokens to hold from the end: of the last `reach`, those from the first unsure one on;
-        and a watched draft's tokens until `WATCH_MIN` are in."""
+        """Tokens to hold from the end: the last `reach`; within an answer's first window, only
+        those from the first unsure one on."""
         recent = self.top1[len(self.top1) - min(self.reach, len(self.top1)):]
+        if self.start > 0 or len(self.top1) > self.reach + 1:
+            return len(recent)
         first = next((i for i, v in enumerate(recent) if not v >= self.sure), None)
-        n = 0 if first is None else len(recent) - first
-        seen = len(self.drawn) - self.watch_from
-        return max(n, seen) if self.watch_until and seen < WATCH_MIN else n
+        return 0 if first is None else len(recent) - first
 
     def ended(self) -> bool:
         """The request ended (what a hold released completed a stop string). A method, not a
@@ -87,32 +98,55 @@ class RemoteVisit:
             self.top1.append(best)
             own = tok.logprob
             self.drawn.append(own if own is not None and math.isfinite(own) else best)
-            bound = m.config.guard.draft.verify_suspect_logprob
-            if self.watch_until and bound is not None and self.unsure(bound):  # before any release
+            if m.unchecked:  # a window awaiting its check is held whole until then
+                return None
+            if self.watch_until and self.unsure():  # decided before anything more is released
                 self.check_at = self.hold_watched()
-            elif not m.unchecked:  # (a window awaiting its check is held whole until then)
+            else:
                 m.hold(self.held())  # counts the token about to be accepted: one more held meanwhile
         return hazard
 
-    def watch(self, n: int) -> None:
-        """The next `n` tokens are the draft, held only once their mean logprob is unsure."""
-        self.watch_until, self.watch_start, self.watch_from = self.m.step + n, self.m.step, len(self.drawn)
+    def watch(self, n: int) -> int:
+        """The next `n` tokens are the draft: its first `WATCH_MIN` held and decided on together
+        (`decide`), the rest watched token by token. The step of that first decision."""
+        self.watch_until, self.watch_from, self.watched = self.m.step + n, len(self.drawn), True
+        k = min(WATCH_MIN, n)
+        self.await_draft_check(k)
+        return self.m.step + k
 
-    def unsure(self, bound: float) -> bool:
-        """The watched draft's tokens so far (the one just judged included, `WATCH_MIN` at least)
-        average under `bound`."""
+    def unsure(self) -> bool:
+        """The watched draft's tokens so far (the one just judged included) average under the
+        suspect bound."""
+        bound = self.m.config.guard.draft.verify_suspect_logprob
         own = self.drawn[self.watch_from:]
-        return len(own) >= WATCH_MIN and sum(own) / len(own) < bound
+        return bound is not None and bool(own) and sum(own) / len(own) < bound
+
+    def decide(self, final: bool) -> bool:
+        """The watched draft's first tokens are in (held), or its answer leaves the rung first
+        (`final`): True when the held window goes to the rung above now. Sure: released, and
+        watched on. Unsure with the draft still going: held to its end (`check_at`)."""
+        if not self.unsure():
+            self.draft_checked([])
+            return False
+        if not final and self.m.step < self.watch_until:
+            self.check_at = self.hold_watched()
+            return False
+        self.watch_until = 0
+        return True
 
     def hold_watched(self) -> int:
-        """The watched draft turned unsure at the token just judged: hold it from its first
-        unreleased token (the draft's first, if it turned at `WATCH_MIN`) to its end, for the
-        rung above. The step at which the window is checked."""
-        seen = len(self.drawn) - self.watch_from
-        self.held_from = self.watch_start if seen <= WATCH_MIN else self.m.step
+        """The watched draft is unsure: hold it from its first unreleased token to its end, for
+        the rung above. The step at which that window is checked."""
+        self.held_from = self.m.released
         end, self.watch_until = self.watch_until, 0
         self.m.hold(end - self.held_from, check=True)
         return end
+
+    def leave(self, hazard: bool) -> None:
+        """The request leaves this rung. On a hazard, a watched draft's held tokens, never scored,
+        are rolled back with what awaits a check (nothing unchecked is handed on)."""
+        if hazard and self.watch_until and not self.m.unchecked:
+            self.m.hold(0, check=True)
 
     def await_draft_check(self, n: int) -> None:
         """The rung above checks the next `n` tokens before any of them is released."""

@@ -45,6 +45,7 @@ from typing import Any
 import httpx
 
 from qladder.errors import ConfigError, InputError
+from qladder.server.topology import DRAFT_CHECKS
 from qladder.validate.corpora import Prompt
 from qladder.validate.fault_models import ALL_FAULT_MODELS, FAULT_SETS, FaultModel, assign, by_name
 from qladder.validate.outcome import Outcome
@@ -139,6 +140,8 @@ def load_remote_config(path: Path | None, quick: bool) -> RemoteValidateConfig:
     unknown = [f for f in values.get("fault_names", ()) if f not in REMOTE_FAULTS]
     if unknown:
         errors.append(f"[run] fault_names: {unknown} are not faults of a served model ({', '.join(REMOTE_FAULTS)})")
+    if values.get("gateway_draft_check", base.gateway_draft_check) not in DRAFT_CHECKS:
+        errors.append(f"[gateway] draft_check: {values['gateway_draft_check']!r} is none of {', '.join(DRAFT_CHECKS)}")
     if errors:
         raise ConfigError(f"{path}: {len(errors)} mistake(s):\n  " + "\n  ".join(errors))
     return dataclasses.replace(base, **values)

@@ -76,10 +76,11 @@ class DraftCheck:
     # at 40 tokens, 0.7 s at 200, 2.9 s at 800, 8.9 s at 1,900 here. Longer prompts go unchecked.
     verify_max_context: int = 512
     # Which drafts are scored: those of a flagged input (the input defence changed it, or it holds
-    # byte-fallback tokens), held from their first token; any other streams as it comes until the
-    # mean logprob of its tokens so far on their own rung falls under this bound (the rung is
-    # unsure), and is held and scored from that token to the draft's end (serving/remote_visit.py).
-    # None: score every draft whole.
+    # byte-fallback tokens), held from their first token; any other has its first 2 tokens held and
+    # judged together, then streams while the mean logprob of its tokens so far on their own rung
+    # stays at or over this bound; when it falls under (the rung is unsure) the draft is held from
+    # its first unreleased token to its end and scored (serving/remote_visit.py). None: score every
+    # draft whole.
     verify_suspect_logprob: float | None = -1.25
     # The drift window (health/drift.check_drift): past the draft, every `drift_window` tokens of a
     # greedy answer are held and scored the same way, and a window where the rung above's own argmax

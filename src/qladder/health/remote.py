@@ -19,7 +19,8 @@ are those the stream allows, before the token is forwarded:
 - repetition: the accepted ids loop (the in-process guard's own rule, `StepGuard.check_repetition`).
 - verify (`check_draft`): the answer's first `verify_tokens` are scored by the rung above (the
   full-precision standby, in one prefill) before any is released (an unflagged input's draft:
-  from the token where its own logprobs turn unsure, `RemoteVisit.watch`); the first token the standby
+  only once its own logprobs turn unsure, from its first unreleased token, `RemoteVisit.watch`);
+  the first token the standby
   finds more than e^`verify_gap` times less likely than the rung that drew it is refused, and the
   answer continues from the tokens before it on the standby. The way speculative decoding checks
   a draft, with a tolerance: an INT4 rung's clean answers differ from fp32's, a corrupted one's

@@ -318,7 +318,7 @@ class RemotePool:
                     n_check, visit.check_at = visit.check_at, 0
                 lp = _logprob(item, m.params.logprobs) if m.params.logprobs is not None else None
                 action = m.accept_token(t, lp)
-                if visit.watch_until and m.step >= visit.watch_until:
+                if visit.watch_until and m.step >= visit.watch_until and not m.unchecked:
                     visit.watch_until = 0  # the draft ended sure: no longer watched
                 if isinstance(action, Done):  # a stop string in what was released (before any held window)
                     return None
@@ -344,7 +344,7 @@ class RemotePool:
         first `verify_tokens` (the draft), then every `drift_window` tokens where the drift
         window is on. The step at which the window is checked (0: none; the rest is released as
         it comes). A draft that only its own logprobs could make worth scoring is watched
-        instead (0 here; the loop holds it from the token that makes it unsure)."""
+        instead: the step at which its first tokens are decided on (`RemoteVisit.watch`)."""
         if visit.check_at:  # the watch held the draft to its end: checked there
             n, visit.check_at = visit.check_at, 0
             return n

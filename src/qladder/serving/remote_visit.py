@@ -126,6 +126,8 @@ class RemoteVisit:
         (`final`): True when the held window goes to the rung above now. Sure: released, and
         watched on. Unsure with the draft still going: held to its end (`check_at`)."""
         if not self.unsure():
+            if self.m.step >= self.watch_until:  # the whole draft was in the first decision
+                self.watch_until = 0
             self.draft_checked([])
             return False
         if not final and self.m.step < self.watch_until:

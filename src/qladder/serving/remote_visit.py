@@ -17,6 +17,8 @@ under it, so a refusal there rolls back from the first unsure token. Past the fi
 last 7 are held again (the stream pauses for those 7 tokens once). Measured before this limit,
 with sure tokens released all through the answer: a long-math prompt's `((((` flood, trimmed to
 `(((` under the full hold, went out whole (`bench/results/validate-remote-quick-2026-12-04-hold-*`).
+What remains of that risk: a confident flood that starts inside the first window goes out as it
+comes, up to the window's end, before the repetition rule (12 tokens for short loops) sees it.
 
 The draft: an answer whose first tokens will be scored by the rung above (a flagged input, a
 prompt with a lone byte's id, `draft_check = "all"`, a greedy answer under drift windows) holds

@@ -49,15 +49,8 @@ lint: $(DEV)
 	$(BIN)/python -m ruff check src tests bench
 	$(BIN)/python -m mypy
 
-# ruff first (a second), then the type checker beside the tests: mypy takes ~50 s of one core, which
-# the two pytest workers would otherwise wait for. Either failing fails the target; mypy's report
-# is printed after pytest's.
-test: $(DEV) $(PEERS)
-	$(BIN)/python -m ruff check src tests bench
-	@$(BIN)/python -m mypy > $(VENV)/mypy.out 2>&1 & mypy=$$!; \
-	  $(BIN)/python -m pytest -q -n 2 --dist loadgroup; tests=$$?; \
-	  wait $$mypy; types=$$?; echo "$(BIN)/python -m mypy"; cat $(VENV)/mypy.out; \
-	  test $$tests -eq 0 -a $$types -eq 0
+test: lint $(PEERS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -70,7 +70,7 @@ def test_generate_verified_gives_fp32s_answer_and_refuses_a_ladder_with_no_verif
     out = json.loads(p.stdout)
     ref = run("generate", "--rung", "fp32", "--json", "--max-tokens", "24", "What is the capital of France?")
     assert out["token_ids"] == json.loads(ref.stdout)["token_ids"] and "Paris" in out["text"]
-    assert set(out["token_rungs"]) == {"fp32"} and out["timings"]["verify_windows"] >= 1
+    assert set(out["token_rungs"]) == {"fp32"} and out["timings"].get("verify_windows", 0) >= 1, out
     assert "needs a ladder that starts on int4" in _one_line_error("generate", "--verified", "--rung", "fp32", "Hi")
 
 

@@ -249,9 +249,15 @@ class RemotePool:
         visit.leave(isinstance(hazard, Hazard))
         if isinstance(hazard, Hazard):
             return m.on_hazard(hazard, None)
-        if visit.watched and not visit.scored:  # a watched draft that stayed sure: streamed unscored
-            self.checks["confident"] += 1
+        self._confident(visit)  # (an answer that ended inside its watched draft)
         return hazard
+
+    def _confident(self, visit: RemoteVisit) -> None:
+        """A watched draft that stayed sure (streamed unscored) counts once, as its watch ends:
+        before its answer does, where the answer is longer than the draft."""
+        if visit.watched and not visit.scored and not visit.counted:
+            visit.counted = True
+            self.checks["confident"] += 1
 
     def _error(self, m: RequestMachine, detail: str) -> Hazard:
         return Hazard("engine_error", m.rungs[m.rung], m.step, detail=detail)
@@ -320,6 +326,7 @@ class RemotePool:
                 action = m.accept_token(t, lp)
                 if visit.watch_until and m.step >= visit.watch_until and not m.unchecked:
                     visit.watch_until = 0  # the draft ended sure: no longer watched
+                    self._confident(visit)
                 if isinstance(action, Done):  # a stop string in what was released (before any held window)
                     return None
                 if m.unchecked and (isinstance(action, Confirm | MoveTo | Verify) or m.step >= n_check):

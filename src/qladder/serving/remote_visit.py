@@ -67,6 +67,7 @@ class RemoteVisit:
         self.watch_from = 0  # its first token's index in `drawn`
         self.watched = False  # this visit watched a draft ...
         self.scored = False  # ... and sent a window of it to the rung above
+        self.counted = False  # ... or was counted "confident" by the pool
         self.check_at = 0  # the step at which a window held by the watch is checked (0: none pending)
         m.hold(self.held())
 

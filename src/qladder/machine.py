@@ -87,10 +87,9 @@ class RequestMachine:
         self.emit = emit or (lambda _e: None)
         self.rec = Recorder(request.request_id, incidents if config.record_incidents else None, self.emit, clock)
         self.sampler = Sampler(request.params, coupled=request.verified)  # see Sampler
-        g = config.guard
         # each accepted token's tag: its rung, its log-probability (when the request asked for them)
-        self.stream: TextStream[tuple[str, TokenLogprob | None]] = TextStream(
-            token_bytes, request.params.stop, g.repetition_max_period if g.check_repetition else 0)
+        period = config.guard.repetition_max_period if config.guard.check_repetition else 0
+        self.stream: TextStream[tuple[str, TokenLogprob | None]] = TextStream(token_bytes, request.params.stop, period)
         self.hazards: list[Hazard] = []
         self.rung, self.streak = request.start_rung, 0
         self.unchecked = False  # the answer's first tokens await the standby's check: none released
@@ -157,11 +156,8 @@ class RequestMachine:
             return MoveTo(action.to, poisoned=False)
         return Continue()
 
-    def _end(self, reason: FinishReason) -> Action:
-        """The answer ends here, unless its first tokens still await the standby's check."""
-        if self.unchecked:
-            return Confirm(reason)
-        return Done(self.finish(reason))
+    def _end(self, reason: FinishReason) -> Action:  # unless its first tokens still await the standby's check
+        return Confirm(reason) if self.unchecked else Done(self.finish(reason))
 
     def _release(self, final: bool = False) -> None:
         start = self.stream.released
@@ -199,8 +195,7 @@ class RequestMachine:
         return self._decide(hazard, reproduced)
 
     def _decide(self, hazard: Hazard, reproduced: bool | None) -> MoveTo | Done:
-        policy = self.config.policy
-        action = policy.on_hazard(hazard, self.rung, len(self.rungs), len(self.rec.handoffs), reproduced)
+        action = self.config.policy.on_hazard(hazard, self.rung, len(self.rungs), len(self.rec.handoffs), reproduced)
         label = (f"handoff:{self.rungs[action.to]}" if isinstance(action, HandoffAction)
                  else f"stop:{action.reason}")
         self.rec.incident(self.req, self.prompt, hazard, label)
@@ -212,8 +207,7 @@ class RequestMachine:
         """The driver carried out a move: rung `to` holds the context (it evaluated `caught` ids).
         The handoff's latency runs from `left_at` (the hazard's or the policy's moment)."""
         self.rec.open_handoff(self.left_at, self.rungs[self.rung], self.rungs[to], caught, warm)
-        self.rung, self.streak = to, 0
-        self.unchecked = False
+        self.rung, self.streak, self.unchecked = to, 0, False
         self.stream.hold = 0
 
     def decided_by(self, to: int, hazard: Hazard | None) -> None:

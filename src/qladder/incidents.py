@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from qladder.audit import AuditRecord
 from qladder.types import Hazard
@@ -95,6 +95,36 @@ class Incident:
 IncidentSink = Callable[[Incident], None]
 
 
+class IncidentBackend(Protocol):
+    """What the writer and `qladder incidents` use of a store: SQLite (`IncidentStore`, the
+    default) or PostgreSQL (`qladder.incidents_pg.PostgresIncidentStore`, gateways sharing one
+    table). Both give the same rows: the same columns, non-finite numbers as text."""
+
+    path: str
+    redact: bool
+
+    def record_many(self, incidents: Sequence[Incident]) -> None: ...
+    def record_audits(self, records: Sequence[AuditRecord]) -> None: ...
+    def audits(self, limit: int = 1000, since: float | None = None) -> list[dict[str, Any]]: ...
+    def count(self) -> int: ...
+    def rows(self, limit: int = 1000, since: float | None = None) -> list[dict[str, Any]]: ...
+    def get(self, incident_id: int) -> dict[str, Any] | None: ...
+    def close(self) -> None: ...
+
+
+def is_postgres_url(target: str | Path) -> bool:
+    return str(target).startswith(("postgresql://", "postgres://"))
+
+
+def open_incident_store(target: str | Path, redact: bool = False) -> IncidentBackend:
+    """A PostgreSQL URL (postgresql://user@host:port/db) or a SQLite file's path."""
+    if is_postgres_url(target):
+        from qladder.incidents_pg import PostgresIncidentStore
+
+        return PostgresIncidentStore(str(target), redact=redact)
+    return IncidentStore(target, redact=redact)
+
+
 class IncidentStore:
     """An append-only SQLite table (WAL mode); one connection, shared between threads under a lock."""
 
@@ -123,28 +153,20 @@ class IncidentStore:
         with self._lock:
             self._db.execute("BEGIN")
             try:
-                self._db.executemany(
-                    "INSERT INTO incidents (ts, request_id, prompt_hash, prompt_text, prompt_ids, rung, step,"
-                    " check_name, layer, value, threshold, action, handoff_latency_ms, faults, detail)"
-                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+                self._db.executemany(f"INSERT INTO incidents ({INCIDENT_COLUMNS}) VALUES ({', '.join('?' * 15)})",
+                                     rows)
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
 
     def _row(self, inc: Incident) -> tuple[Any, ...]:
-        h = inc.hazard
-        text, ids = (None, "null") if self.redact else (_storable(inc.prompt_text), json.dumps(inc.prompt_ids))
-        return (inc.ts or time.time(), _storable(inc.request_id), inc.prompt_hash, text, ids, h.rung, h.step,
-                h.check, h.layer, _finite(h.value), _finite(h.threshold), inc.action, inc.handoff_latency_ms,
-                json.dumps(inc.faults), _storable(h.detail))
+        return incident_row(inc, self.redact, _storable, _finite)
 
     def record_audits(self, records: Sequence[AuditRecord]) -> None:
-        rows = [(a.ts, _storable(a.request_id), a.prompt_class, a.pool, a.tokens, a.agreement, a.first_divergence,
-                 _finite(a.kl_top5), _finite(a.fp32_gap), a.source) for a in records]
+        rows = [audit_row(a, _storable, _finite) for a in records]
         with self._lock:
-            self._db.executemany("INSERT INTO audits (ts, request_id, prompt_class, pool, tokens, agreement,"
-                                 " first_divergence, kl_top5, fp32_gap, source) VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
+            self._db.executemany(f"INSERT INTO audits ({AUDIT_COLUMNS}) VALUES ({', '.join('?' * 10)})", rows)
 
     def audits(self, limit: int = 1000, since: float | None = None) -> list[dict[str, Any]]:
         """The newest `limit` audit rows (at or after `since`), newest first."""
@@ -178,6 +200,29 @@ class IncidentStore:
             self._db.close()
 
 
+INCIDENT_COLUMNS = ("ts, request_id, prompt_hash, prompt_text, prompt_ids, rung, step, check_name, layer, value,"
+                    " threshold, action, handoff_latency_ms, faults, detail")
+AUDIT_COLUMNS = "ts, request_id, prompt_class, pool, tokens, agreement, first_divergence, kl_top5, fp32_gap, source"
+
+
+def incident_row(inc: Incident, redact: bool, text: Callable[[str | None], str | None],
+                 number: Callable[[float | None], Any]) -> tuple[Any, ...]:
+    """An incident's values in INCIDENT_COLUMNS' order; `text` and `number` make a value storable
+    in the backend (each backend's own rule for invalid UTF-8, NUL and non-finite numbers)."""
+    h = inc.hazard
+    prompt, ids = (None, "null") if redact else (text(inc.prompt_text), json.dumps(inc.prompt_ids))
+    return (inc.ts or time.time(), text(inc.request_id), inc.prompt_hash, prompt, ids, h.rung, h.step,
+            h.check, h.layer, number(h.value), number(h.threshold), inc.action, inc.handoff_latency_ms,
+            json.dumps(inc.faults), text(h.detail))
+
+
+def audit_row(a: AuditRecord, text: Callable[[str | None], str | None],
+              number: Callable[[float | None], Any]) -> tuple[Any, ...]:
+    """A drift audit's values in AUDIT_COLUMNS' order."""
+    return (a.ts, text(a.request_id), a.prompt_class, a.pool, a.tokens, a.agreement, a.first_divergence,
+            number(a.kl_top5), number(a.fp32_gap), a.source)
+
+
 def _storable(text: str | None) -> str | None:
     """The raw prompt is kept for replay, but SQLite takes only valid UTF-8: a lone surrogate
     (which a client can send in JSON) is stored as its escape, `\\ud800`."""
@@ -203,7 +248,7 @@ class IncidentWriter:
     queue or a failing disk never loses an incident silently: it goes to the log as JSON and is
     counted in `dropped`."""
 
-    def __init__(self, store: IncidentStore, max_queue: int = 10_000,
+    def __init__(self, store: IncidentBackend, max_queue: int = 10_000,
                  on_commit: Callable[[int], None] | None = None):
         self.store = store
         self.on_commit = on_commit  # called with each batch's size after its commit (metrics)

@@ -236,8 +236,9 @@ def create_app(gw: Gateway, api_keys: frozenset[str] = frozenset(), max_body_byt
         breakers = {name: str(b.mode) for name, b in gw.breakers.items()}
         all_open = all(m == BreakerMode.OPEN for m in breakers.values())
         ready = gw.client.ready and not all_open and not gw.draining
+        state = gw.state.describe() if gw.state is not None else {"backend": "memory"}
         body = {"ready": ready, "engine_ready": gw.client.ready, "draining": gw.draining, "breakers": breakers,
-                "stats": gw.client.stats()}
+                "state": state, "stats": gw.client.stats()}
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")

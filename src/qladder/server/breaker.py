@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -111,18 +112,55 @@ def transition(state: BreakerState, event: BreakerEvent, now: float, config: Bre
     return replace(state, window=window)
 
 
+Stamped = tuple[float, BreakerEvent]  # an event and the time it was applied
+
+
 class Breaker:
     """One pool's breaker, shared by the HTTP loop (admit) and the engine's threads (record)
-    through one lock; `on_change(pool, old, new)` is called outside it on every mode change."""
+    through one lock; `on_change(pool, old, new)` is called outside it on every mode change.
+
+    `shared`: gateways share the breaker (qladder.server.shared_state): every event applied here
+    is also journaled, the state sync merges the journal into the shared state and the breaker
+    `adopt`s the result. The journal keeps the newest `JOURNAL_MAX` events while the store is away
+    (older ones have left any window by then)."""
+
+    JOURNAL_MAX = 4096
 
     def __init__(self, pool: str, config: BreakerConfig | None = None, clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[str, BreakerMode, BreakerMode], None] | None = None):
+                 on_change: Callable[[str, BreakerMode, BreakerMode], None] | None = None, shared: bool = False):
         self.pool = pool
         self.config = config or BreakerConfig()
         self.clock = clock
         self.on_change = on_change
         self._state = BreakerState()
         self._lock = threading.Lock()
+        self._journal: deque[Stamped] | None = deque(maxlen=self.JOURNAL_MAX) if shared else None
+        self._journaled = 0
+
+    @property
+    def state(self) -> BreakerState:
+        with self._lock:
+            return self._state
+
+    def journal(self) -> tuple[list[Stamped], int]:
+        """The events applied here and not yet merged into the shared state, oldest first, and
+        a mark to hand back to `adopt` (how many events were ever journaled)."""
+        with self._lock:
+            return list(self._journal or ()), self._journaled
+
+    def adopt(self, shared: BreakerState, mark: int) -> None:
+        """The shared state now holds the events journaled before `mark`: take it as this
+        breaker's, with the events applied here since (still journaled) replayed on top."""
+        with self._lock:
+            assert self._journal is not None, "adopt() on a breaker that is not shared"
+            for _ in range(max(0, mark - (self._journaled - len(self._journal)))):
+                self._journal.popleft()
+            old, new = self._state, shared
+            for at, event in self._journal:
+                new = transition(new, event, at, self.config)
+            self._state = new
+        if new.mode is not old.mode and self.on_change is not None:
+            self.on_change(self.pool, old.mode, new.mode)
 
     @property
     def mode(self) -> BreakerMode:
@@ -138,8 +176,11 @@ class Breaker:
 
     def _apply(self, event: BreakerEvent) -> BreakerState:
         with self._lock:
-            old = self._state
-            self._state = new = transition(old, event, self.clock(), self.config)
+            old, now = self._state, self.clock()
+            self._state = new = transition(old, event, now, self.config)
+            if self._journal is not None:
+                self._journal.append((now, event))
+                self._journaled += 1
         if new.mode is not old.mode and self.on_change is not None:
             self.on_change(self.pool, old.mode, new.mode)
         return new

@@ -38,6 +38,7 @@ from qladder.server.metrics import ServerMetrics
 from qladder.server.protocol import ChatCompletionRequest, CompletionRequest
 from qladder.server.quarantine import Quarantine
 from qladder.server.router import Route, Router
+from qladder.server.shared_state import StateSync
 from qladder.types import DEFAULT_MAX_TOKENS, Event, FinalEvent, FinishReason, GenerationResult, HazardEvent, TokenEvent
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ class Gateway:
         self.drift = drift
         self.n_ctx = min(client.n_ctx)
         self.draining = False
+        self.state: StateSync | None = None  # the shared state's sync ([state] backend = "redis")
         self._tok_lock = threading.Lock()  # the vocabulary's tables are built lazily: one user at a time
         self._routes: dict[str, tuple[Route, str, bool]] = {}  # request id -> (route, fingerprint, outcome sent)
         self._routes_lock = threading.Lock()

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from qladder.audit import AuditRecord
 from qladder.server.breaker import MODE_VALUE, Breaker, BreakerMode
 from qladder.server.quarantine import Quarantine
+from qladder.server.shared_state import StateSync
 from qladder.types import Event, FinalEvent, HandoffEvent, HazardEvent, TokenEvent
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -52,6 +53,9 @@ class ServerMetrics:
                                 ["reason"], registry=r)
         self.routes = Counter("qladder_routes", "New requests by the pool they started on and why",
                               ["pool", "reason"], registry=r)
+        self.state_shared = Gauge("qladder_state_shared", "0 while a gateway with shared state serves on its local "
+                                  "view (its last sync failed to reach the store); 1 otherwise", registry=r)
+        self.state_shared.set(1)
         self.breaker_state = Gauge("qladder_breaker_state", "Circuit breaker per pool: 0 closed, 1 half-open, 2 open",
                                    ["pool"], registry=r)
         self.breaker_transitions = Counter("qladder_breaker_transitions", "Breaker mode changes",
@@ -103,6 +107,13 @@ class ServerMetrics:
 
     def on_breaker_change(self, pool: str, _old: BreakerMode, new: BreakerMode) -> None:
         self.breaker_transitions.labels(pool, str(new)).inc()
+
+    def watch_state(self, sync: StateSync) -> None:
+        self.state_shared.set(float(sync.shared))
+        syncs = Gauge("qladder_state_syncs", "State syncs with the shared store, by result", ["result"],
+                      registry=self.registry)
+        syncs.labels("ok").set_function(lambda: float(sync.syncs))
+        syncs.labels("failed").set_function(lambda: float(sync.failures))
 
     def watch_quarantine(self, q: Quarantine) -> None:
         Gauge("qladder_quarantine_size", "Prompt fingerprints in quarantine", registry=self.registry

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -28,8 +28,12 @@ class QuarantineConfig:
 
 
 class Quarantine:
-    def __init__(self, config: QuarantineConfig | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: QuarantineConfig | None = None, clock: Callable[[], float] = time.monotonic,
+                 shared: bool = False):
         self.config = config or QuarantineConfig()
+        # shared (qladder.server.shared_state): what was added here, until the state sync pushes it
+        self._new: list[tuple[str, float]] | None = [] if shared else None
+        self._pushable = 0
         self.clock = clock
         self._until: OrderedDict[str, float] = OrderedDict()  # fingerprint -> expiry, LRU order
         self._lock = threading.Lock()
@@ -40,12 +44,37 @@ class Quarantine:
     def add(self, fingerprint: str) -> None:
         now = self.clock()
         with self._lock:
-            self._until[fingerprint] = now + self.config.ttl_s
-            self._until.move_to_end(fingerprint)
+            self._put(fingerprint, now + self.config.ttl_s)
             self.added += 1
-            while len(self._until) > self.config.max_entries:
-                self._until.popitem(last=False)
-                self.evicted += 1
+            if self._new is not None:  # the newest max_entries, while the store is away
+                self._new.append((fingerprint, now))
+                self._pushable += 1
+                if len(self._new) > self.config.max_entries:
+                    del self._new[0]
+
+    def _put(self, fingerprint: str, until: float) -> None:
+        self._until[fingerprint] = max(until, self._until.get(fingerprint, until))
+        self._until.move_to_end(fingerprint)
+        while len(self._until) > self.config.max_entries:
+            self._until.popitem(last=False)
+            self.evicted += 1
+
+    def fresh(self) -> tuple[list[tuple[str, float]], int]:
+        """Shared: the fingerprints added here (with when) not yet pushed to the shared store,
+        and a mark for `merge` (how many were ever added here)."""
+        with self._lock:
+            return list(self._new or ()), self._pushable
+
+    def merge(self, mark: int, entries: Sequence[tuple[str, float]]) -> None:
+        """Shared: the fresh entries added before `mark` reached the store; `entries`,
+        fingerprints added by any gateway (with when), join the table until their TTL from then."""
+        now = self.clock()
+        with self._lock:
+            assert self._new is not None, "merge() on a quarantine that is not shared"
+            del self._new[:max(0, mark - (self._pushable - len(self._new)))]
+            for fingerprint, at in entries:
+                if at + self.config.ttl_s > now:
+                    self._put(fingerprint, at + self.config.ttl_s)
 
     def contains(self, fingerprint: str) -> bool:
         """True while the fingerprint is quarantined (a hit refreshes its place in the LRU order)."""

@@ -22,7 +22,7 @@ from qladder.client import EngineClient
 from qladder.config import Settings
 from qladder.engines.llamacpp import LlamaVocab
 from qladder.health.guard import GUARD_PRESETS
-from qladder.incidents import IncidentStore, IncidentWriter
+from qladder.incidents import IncidentBackend, IncidentWriter, is_postgres_url, open_incident_store
 from qladder.model import ModelInfo
 from qladder.policy import LadderConfig
 from qladder.prepare import Preparer
@@ -33,6 +33,7 @@ from qladder.server.gateway import Gateway
 from qladder.server.metrics import ServerMetrics
 from qladder.server.quarantine import Quarantine
 from qladder.server.router import Router
+from qladder.server.shared_state import StateSync
 from qladder.server.topology import Topology
 from qladder.serving.engine import ServingConfig, ServingEngine
 from qladder.serving.remote import RemoteConfig
@@ -79,12 +80,14 @@ class Server:
     app: Any
     gateway: Gateway
     engine: ServingEngine
-    store: IncidentStore
+    store: IncidentBackend
     writer: IncidentWriter
     vocab: LlamaVocab
 
     def close(self) -> None:
         try:
+            if self.gateway.state is not None:
+                self.gateway.state.close()
             self.engine.close()
         finally:
             self.writer.close()
@@ -97,8 +100,10 @@ def build_server(t: Topology, settings: Settings | None = None, api_keys: Sequen
     """standby_engines: engines for the standby's rungs, owned by the caller (tests share theirs)."""
     settings = settings or Settings.from_env()
     metrics = ServerMetrics()
-    path = Path(t.server.incidents).expanduser() if t.server.incidents else settings.cache_dir / "incidents.sqlite3"
-    store = IncidentStore(path, redact=t.server.redact)
+    target = t.server.incidents
+    if not is_postgres_url(target):  # a SQLite file
+        target = str(Path(target).expanduser()) if target else str(settings.cache_dir / "incidents.sqlite3")
+    store = open_incident_store(target, redact=t.server.redact)
     writer = IncidentWriter(store, on_commit=metrics.incidents_committed.inc)
     engine = ServingEngine(serving_config(t, settings), model=t.model.path or None, settings=settings,
                            incidents=writer, standby_engines=standby_engines)
@@ -118,8 +123,12 @@ def assemble(client: EngineClient, info: ModelInfo, vocab: LlamaVocab, t: Topolo
              api_keys: Sequence[str] = (), clock: Any = time.monotonic) -> tuple[Gateway, Any]:
     """The gateway and the FastAPI app over any EngineClient (the real engine, or a test's fake)."""
     preparer = Preparer(info, vocab.tokenize, min(client.n_ctx), SANITIZE_PRESETS[t.server.sanitize])
-    breakers = {p.name: Breaker(p.name, t.breaker, clock, on_change=metrics.on_breaker_change) for p in t.pools}
-    quarantine = Quarantine(t.quarantine, clock)
+    shared = t.state.shared
+    if shared and clock is time.monotonic:  # gateways compare a shared breaker's times: wall-clock ones
+        clock = time.time
+    breakers = {p.name: Breaker(p.name, t.breaker, clock, on_change=metrics.on_breaker_change, shared=shared)
+                for p in t.pools}
+    quarantine = Quarantine(t.quarantine, clock, shared=shared)
     router = Router(t.pools, breakers, quarantine)
     standby = t.standby
     gw = Gateway(client, preparer, vocab.detokenize_bytes, vocab.n_vocab, t.server.model_name, router, breakers,
@@ -132,6 +141,11 @@ def assemble(client: EngineClient, info: ModelInfo, vocab: LlamaVocab, t: Topolo
     metrics.watch_pools(client.stats, {"int4": t.int4.name, **({"standby": standby.name} if standby else {})})
     metrics.watch_breakers(breakers)
     metrics.watch_quarantine(quarantine)
+    if shared:
+        metrics.state_shared.set(0)  # until the first sync reaches the store
+        gw.state = StateSync(t.state, dict(breakers), quarantine, on_status=metrics.state_shared.set).start()
+        gw.state.sync_now()  # join the fleet's state before the first request (a failure: the local view)
+        metrics.watch_state(gw.state)
     return gw, create_app(gw, frozenset(api_keys), t.server.max_body_bytes)
 
 

@@ -76,6 +76,14 @@
     ttl_s = 600.0
     max_entries = 10000
 
+    [state]                        # what gateways share (qladder.server.shared_state)
+    backend = "memory"             # "memory": this gateway alone (nothing else to run); "redis": the
+                                   # breakers and the quarantine shared by every gateway on `url`
+    url = ""                       # redis://host:port/db
+    prefix = "qladder:"            # the keys' prefix (several fleets on one Redis)
+    sync_s = 0.2                   # how often a gateway merges its state with the store
+    timeout_s = 0.5                # each store call's bound; past it the gateway serves on its own view
+
 With no file, the defaults serve the embedded model on the machine's cores: the standby on one
 thread, INT4 on the others, and on all of them while the standby has nothing to do (on 2 cores:
 INT4 on 2 threads while idle, 1 + 1 while a handoff or a checked window runs). Every mistake in a
@@ -93,6 +101,7 @@ from typing import Any
 from qladder.errors import ConfigError
 from qladder.server.breaker import BreakerConfig
 from qladder.server.quarantine import QuarantineConfig
+from qladder.server.shared_state import StateSettings
 from qladder.types import DEFAULT_MAX_TOKENS
 
 INT4_RUNGS = ("int4", "llama-server")  # in-process, or a remote llama.cpp server (`url`)
@@ -184,6 +193,7 @@ class Topology:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     quarantine: QuarantineConfig = field(default_factory=QuarantineConfig)
     cores: CoresSettings = field(default_factory=CoresSettings)
+    state: StateSettings = field(default_factory=StateSettings)
 
     @property
     def int4(self) -> PoolConfig:
@@ -209,7 +219,7 @@ def load_topology(path: str | Path | None) -> Topology:
 
 def parse_topology(data: dict[str, Any], where: str = "config") -> Topology:
     errors: list[str] = []
-    known = {"server", "model", "pools", "breaker", "quarantine", "cores"}
+    known = {"server", "model", "pools", "breaker", "quarantine", "cores", "state"}
     for key in sorted(set(data) - known):
         errors.append(f"unknown section [{key}] (known: {', '.join(sorted(known))})")
     server = _section(data.get("server", {}), ServerSettings, "server", errors)
@@ -217,6 +227,7 @@ def parse_topology(data: dict[str, Any], where: str = "config") -> Topology:
     breaker = _section(data.get("breaker", {}), BreakerConfig, "breaker", errors)
     quarantine = _section(data.get("quarantine", {}), QuarantineConfig, "quarantine", errors)
     cores = _section(data.get("cores", {}), CoresSettings, "cores", errors)
+    state = _section(data.get("state", {}), StateSettings, "state", errors)
     raw_pools = data.get("pools")
     pools: tuple[PoolConfig, ...] = default_pools()
     if raw_pools is not None:
@@ -244,8 +255,8 @@ def parse_topology(data: dict[str, Any], where: str = "config") -> Topology:
     if errors:
         raise ConfigError(f"{where}: {len(errors)} mistake(s):\n  " + "\n  ".join(errors))
     assert server is not None and model is not None and breaker is not None and quarantine is not None
-    assert cores is not None
-    return Topology(server, model, pools, breaker, quarantine, cores)
+    assert cores is not None and state is not None
+    return Topology(server, model, pools, breaker, quarantine, cores, state)
 
 
 def _section(raw: object, cls: type, name: str, errors: list[str], required: tuple[str, ...] = ()) -> Any:

@@ -19,6 +19,7 @@ import pytest
 from qladder.engines.remote import RemoteEnd
 from qladder.engines.remote_llama import LlamaServerRung
 from qladder.engines.remote_vllm import VllmRung
+from qladder.engines.replicas import Replicas
 from qladder.health.remote import RemoteToken, Scored
 from qladder.model import user_prompt_ids
 from qladder.peers.llama_server import LlamaServer
@@ -36,10 +37,14 @@ def llama_server(model_info) -> Iterator[LlamaServer]:
         yield s
 
 
-@pytest.fixture(params=["llama-server", pytest.param("vllm", marks=pytest.mark.xdist_group("vllm"))])
-def rung(request, model_info) -> Iterator[LlamaServerRung | VllmRung]:
+@pytest.fixture(params=["llama-server", "replicas", pytest.param("vllm", marks=pytest.mark.xdist_group("vllm"))])
+def rung(request, model_info) -> Iterator[LlamaServerRung | VllmRung | Replicas]:
+    r: LlamaServerRung | VllmRung | Replicas
     if request.param == "llama-server":
-        r: LlamaServerRung | VllmRung = LlamaServerRung(model_info, request.getfixturevalue("llama_server").base_url)
+        r = LlamaServerRung(model_info, request.getfixturevalue("llama_server").base_url)
+    elif request.param == "replicas":  # a pool of replicas (two endpoints on the one server here)
+        url = request.getfixturevalue("llama_server").base_url
+        r = Replicas([LlamaServerRung(model_info, url), LlamaServerRung(model_info, url)])
     else:
         r = VllmRung(model_info, request.getfixturevalue("vllm_server").base_url)
     yield r
@@ -81,7 +86,7 @@ def test_every_streamed_token_is_in_the_vocabulary_with_finite_logprobs_and_the_
         # Greedy: the drawn token is the top-1 of the tokens it may draw. Under ignore_eos (a
         # benchmark setting) llama-server bans EOS and reports the distribution before the ban (EOS
         # may be its top-1 there); vLLM, like the in-process rungs, may draw EOS and go on.
-        banned = rung.eos_ids if isinstance(rung, LlamaServerRung) else frozenset()
+        banned = rung.eos_ids if rung.name == "llama-server" else frozenset()
         allowed = [(i, v) for i, v in t.top if i not in banned]
         best_id, best = max(allowed, key=lambda x: x[1])
         assert t.token_id == best_id or t.logprob == pytest.approx(best, abs=1e-5)  # (or tied with it)

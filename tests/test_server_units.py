@@ -195,7 +195,7 @@ def test_a_remote_pool_needs_its_url_and_only_a_remote_rung_takes_one():
     with pytest.raises(ConfigError) as e:
         parse_topology({"pools": [{"name": "edge", "rungs": ["llama-server"], "weight": 1.0, "handoff_to": "s"},
                                   {"name": "s", "rungs": ["fp32"], "url": "http://x"}]})
-    assert "needs url" in str(e.value) and "url is for a remote rung" in str(e.value)
+    assert "needs url" in str(e.value) and "url and urls are for a remote rung" in str(e.value)
     both = parse_topology({"pools": [{"name": "edge", "rungs": ["llama-server"], "url": "http://a:1", "weight": 1.0,
                                       "handoff_to": "gpu"}, {"name": "gpu", "rungs": ["vllm"], "url": "http://b:2"}]})
     assert both.standby is not None and both.standby.url == "http://b:2" and both.standby.kind == "standby"

@@ -103,3 +103,8 @@ class ClientDisconnected(Exception):
 
 class RemoteStreamError(Exception):
     """The server answered, but not with a usable stream (non-200, error or malformed chunk, cut short)."""
+
+
+class RemoteTransportError(RemoteStreamError):
+    """The server, not the model, failed the stream: a 5xx answer, or a stream cut short (a
+    replica that died). A pool of replicas continues the answer on a sibling."""

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import httpx
 
 from qladder.engines.llamacpp import LlamaVocab
-from qladder.errors import EngineError, RemoteStreamError, TokenizerMismatchError
+from qladder.errors import EngineError, RemoteStreamError, RemoteTransportError, TokenizerMismatchError
 from qladder.health.remote import RemoteToken, Scored
 from qladder.model import ModelInfo
 from qladder.sampling import SamplingParams
@@ -68,6 +68,10 @@ class RemoteRung(Protocol):
         before it (one prefill)."""
         ...
 
+    async def alive(self, client: httpx.AsyncClient) -> bool:
+        """Whether the server answers its health check now (the pool probes an unhealthy rung)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -95,6 +99,12 @@ class HttpRung(LlamaVocab):
 
     def _connect(self, timeout_s: float) -> None:
         raise NotImplementedError
+
+    async def alive(self, client: httpx.AsyncClient) -> bool:
+        try:
+            return (await client.get(f"{self.base_url}/health", timeout=2.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[Scored]:
         raise NotImplementedError(f"{self.server} cannot score a draft")
@@ -143,4 +153,5 @@ async def check_stream_status(r: httpx.Response, server: str) -> None:
     """RemoteStreamError unless the server answered the stream with 200 (the body says why not)."""
     if r.status_code != 200:
         text = (await r.aread()).decode("utf-8", "replace")[:200]
-        raise RemoteStreamError(f"{server} answered HTTP {r.status_code}: {text}")
+        error = RemoteTransportError if r.status_code >= 500 else RemoteStreamError
+        raise error(f"{server} answered HTTP {r.status_code}: {text}")

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from qladder.engines.remote import HttpRung, RemoteEnd, check_stream_status
-from qladder.errors import RemoteStreamError
+from qladder.errors import RemoteStreamError, RemoteTransportError
 from qladder.health.remote import RemoteToken
 from qladder.model import ModelInfo
 from qladder.sampling import SamplingParams
@@ -81,7 +81,7 @@ class LlamaServerRung(HttpRung):
                 if chunk.get("stop"):
                     yield RemoteEnd(length=chunk.get("stop_type") == "limit")
                     return
-        raise RemoteStreamError("llama-server's stream ended before its last chunk")
+        raise RemoteTransportError("llama-server's stream ended before its last chunk")
 
 
 def _token(t: int, p: dict[str, Any], text: bytes | None) -> RemoteToken:

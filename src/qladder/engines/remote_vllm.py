@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import httpx
 
 from qladder.engines.remote import HttpRung, RemoteEnd, check_stream_status
-from qladder.errors import RemoteStreamError
+from qladder.errors import RemoteStreamError, RemoteTransportError
 from qladder.health.remote import RemoteToken, Scored
 from qladder.model import ModelInfo
 from qladder.sampling import SamplingParams
@@ -87,7 +87,7 @@ class VllmRung(HttpRung):
                 if choice.get("finish_reason"):
                     yield RemoteEnd(length=choice["finish_reason"] == "length")
                     return
-        raise RemoteStreamError("vLLM's stream ended before a finish_reason")
+        raise RemoteTransportError("vLLM's stream ended before a finish_reason")
 
     async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[Scored]:
         answer = await _completion(client, self.base_url, score_body(self.model, prompt, draft))

@@ -58,7 +58,7 @@ def serving_config(t: Topology, settings: Settings) -> ServingConfig:
     # [cores]: elastic INT4 leases up to every core (cores.int4_threads) beside an in-process
     # standby; N, a remote INT4 rung or a remote standby (its server's cores are not ours to
     # lease): fixed threads, no lease (a remote standby: one INT4 thread unless int4 = N)
-    elastic = t.cores.int4 == "elastic" and int4.url is None and (standby is None or standby.url is None)
+    elastic = t.cores.int4 == "elastic" and int4.endpoints is None and (standby is None or standby.endpoints is None)
     int4_threads = t.cores.cpus if elastic else t.cores.int4 if isinstance(t.cores.int4, int) else 1
     return ServingConfig(slots=int4.slots, n_ctx=t.model.n_ctx, int4_threads=int4_threads,
                          cores=t.cores.cpus if elastic else None, cores_linger_s=t.cores.linger_s,
@@ -67,8 +67,8 @@ def serving_config(t: Topology, settings: Settings) -> ServingConfig:
                          standby_sessions=standby.sessions if standby else 1,
                          standby_queue=standby.max_queue if standby else 1,
                          scheduler=SchedulerConfig(max_queue=int4.max_queue), ladder=ladder,
-                         allow_faults=t.server.allow_faults, remote_url=int4.url,
-                         standby_url=standby.url if standby else None,
+                         allow_faults=t.server.allow_faults, remote_url=int4.endpoints,
+                         standby_url=standby.endpoints if standby else None,
                          remote=RemoteConfig(max_inflight=int4.slots + int4.max_queue
                                              + (standby.sessions + standby.max_queue if standby else 0)),
                          audit_rate=int4.audit_rate)

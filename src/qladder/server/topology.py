@@ -121,12 +121,18 @@ class PoolConfig:
     weight: float = 0.0
     handoff_to: str | None = None
     url: str | None = None  # the server of the pool's remote rung (rungs = ["llama-server"] or ["vllm"])
+    urls: tuple[str, ...] = ()  # or replicas of it, the same weights (engines/replicas.py): one stream, any replica
     precision: str = "fast"  # an INT4 pool's default: "fast" or "verified" (verified decoding)
     audit_rate: float = 0.0  # an INT4 pool's share of answers re-scored by the drift audit
 
     @property
     def kind(self) -> str:
         return "int4" if self.rungs and self.rungs[0] in INT4_RUNGS else "standby"
+
+    @property
+    def endpoints(self) -> str | tuple[str, ...] | None:
+        """The remote rung's server (`url`), its replicas (`urls`), or None (in-process)."""
+        return self.urls or self.url
 
 
 @dataclass(frozen=True)
@@ -363,12 +369,17 @@ def _check_pools(pools: tuple[PoolConfig, ...], errors: list[str]) -> None:
             if r not in INT4_RUNGS + FULL_RUNGS:
                 errors.append(f"{where}: unknown rung {r!r} (choose from {', '.join(INT4_RUNGS + FULL_RUNGS)})")
         remote = [r for r in p.rungs if r in REMOTE_RUNGS]
-        if remote and not (p.url or "").startswith(("http://", "https://")):
-            errors.append(f"{where}: a {remote[0]} rung needs url = \"http://host:port\"")
+        if p.url is not None and p.urls:
+            errors.append(f"{where}: give url (one server) or urls (replicas), not both")
+        urls = p.urls or ((p.url,) if p.url is not None else ())
+        if remote and (not urls or not all(u.startswith(("http://", "https://")) for u in urls)):
+            errors.append(f"{where}: a {remote[0]} rung needs url = \"http://host:port\" (or urls = [...], replicas)")
+        if len(set(urls)) < len(urls):
+            errors.append(f"{where}: urls lists a server twice")
         if len(remote) > 1:
             errors.append(f"{where}: one remote rung a pool (its url), got {', '.join(remote)}")
-        if p.url is not None and not remote:
-            errors.append(f"{where}: url is for a remote rung (rungs = [\"llama-server\"] or [\"vllm\"])")
+        if urls and not remote:
+            errors.append(f"{where}: url and urls are for a remote rung (rungs = [\"llama-server\"] or [\"vllm\"])")
         if p.kind == "int4" and len(p.rungs) > 1:
             errors.append(f"{where}: an INT4 pool has one rung; put full-precision rungs in the pool it hands off to")
         if p.kind == "standby" and any(r in INT4_RUNGS for r in p.rungs):

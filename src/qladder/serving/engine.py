@@ -37,6 +37,7 @@ from qladder.engines.llamacpp_batch import BatchedLlamaCpp
 from qladder.engines.remote import RemoteRung
 from qladder.engines.remote_llama import LlamaServerRung
 from qladder.engines.remote_vllm import VllmRung
+from qladder.engines.replicas import Replicas
 from qladder.errors import ConfigError, InputError, check_prompt_fits
 from qladder.health.guard import StepGuard
 from qladder.incidents import IncidentSink
@@ -59,7 +60,24 @@ if TYPE_CHECKING:
 _log = logging.getLogger("qladder.serving")
 # The remote rungs this engine drives from its remote pool (a ladder's rungs are sorted by type:
 # any other rung is an in-process Engine on the standby's thread).
-Remote = LlamaServerRung | VllmRung
+Remote = LlamaServerRung | VllmRung | Replicas
+Urls = str | tuple[str, ...]  # one server, or replicas of it (a pool of endpoints: engines/replicas.py)
+
+
+def remote_rung(cls: type[LlamaServerRung] | type[VllmRung], info: ModelInfo, urls: Urls) -> Remote:
+    """The rung on one server, or on replicas of it (each tokenizer-probed; one that fails closes
+    those already open)."""
+    if isinstance(urls, str) or len(urls) == 1:
+        return cls(info, urls if isinstance(urls, str) else urls[0])
+    opened: list[LlamaServerRung | VllmRung] = []
+    try:
+        for url in urls:
+            opened.append(cls(info, url))
+        return Replicas(opened)
+    except BaseException:
+        for e in opened:
+            e.close()
+        raise
 
 
 @dataclass(frozen=True)
@@ -81,8 +99,8 @@ class ServingConfig:
     ladder: LadderConfig = field(default_factory=LadderConfig)
     allow_faults: bool = False  # operators and test harnesses only; a client can never switch it on
     prefix_cache: bool = True  # prefill the chat template's system turn once; slots copy its KV
-    remote_url: str | None = None  # rung 0 on a llama-server at this URL instead of in-process int4
-    standby_url: str | None = None  # the server of a remote standby rung (standby_rungs = ("vllm",))
+    remote_url: Urls | None = None  # rung 0 on a llama-server at this URL (or replicas) instead of in-process int4
+    standby_url: Urls | None = None  # the server(s) of a remote standby rung (standby_rungs = ("vllm",))
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     # Verified requests that draft on INT4 at once (with the standby's handoffs counted in); the
     # others are answered by the full-precision rung alone (drafts.should_draft).
@@ -124,9 +142,11 @@ class ServingEngine:
         self.observers = list(observers)
         # torch runs the standby (and tiny guard ops); under a lease the standby sets its own per forward
         torch.set_num_threads(1 if c.cores is not None else c.standby_threads)
-        self.int4: BatchedLlamaCpp | LlamaServerRung
+        self.int4: BatchedLlamaCpp | LlamaServerRung | Replicas
         if c.remote_url is not None:  # rung 0 is a llama-server: its tokenizer is checked here
-            self.int4 = LlamaServerRung(self.info, c.remote_url)
+            int4 = remote_rung(LlamaServerRung, self.info, c.remote_url)
+            assert not isinstance(int4, VllmRung)
+            self.int4 = int4
         else:
             self.int4 = BatchedLlamaCpp(self.info, n_slots=c.slots, n_ctx=c.n_ctx, n_threads=c.int4_threads,
                                         native_dir=s.cache_dir if s.int4_monitor else None)
@@ -149,10 +169,10 @@ class ServingEngine:
         self.audit_rate = c.audit_rate  # the same (0 switches audits off; > 0 needs c.audit_rate > 0)
         self._drafting: set[str] = set()  # verified requests drafting now, behind _drafting_lock
         self._drafting_lock = threading.Lock()
-        remote: dict[int, RemoteRung] = {0: self.int4} if isinstance(self.int4, LlamaServerRung) else {}
+        remote: dict[int, RemoteRung] = {0: self.int4} if not isinstance(self.int4, BatchedLlamaCpp) else {}
         local: dict[int, Engine] = {}
         for j, r in enumerate(standby_engines, start=1):
-            if isinstance(r, LlamaServerRung | VllmRung):
+            if isinstance(r, LlamaServerRung | VllmRung | Replicas):
                 remote[j] = r
             else:
                 local[j] = r
@@ -189,7 +209,7 @@ class ServingEngine:
         if rung == "vllm":
             if c.standby_url is None:
                 raise ConfigError("a vllm standby rung needs standby_url (the vLLM server's address)")
-            return VllmRung(self.info, c.standby_url)
+            return remote_rung(VllmRung, self.info, c.standby_url)
         from qladder.engines import load_engine
 
         return load_engine(rung, self.info, Settings(s.cache_dir, c.standby_threads, c.n_ctx, s.int4_monitor))
@@ -226,7 +246,7 @@ class ServingEngine:
         if not gains:
             return
         int4 = self.int4
-        if isinstance(int4, LlamaServerRung):
+        if not isinstance(int4, BatchedLlamaCpp):
             raise ConfigError("gain faults need an in-process int4 rung (a remote rung's layers are out of reach)")
         if len(gains) > 1:
             raise ConfigError("the int4 pool takes one gain fault a request (one per slot)")
@@ -419,7 +439,18 @@ class ServingEngine:
                 **({"checked_windows": self.standby.checked, "drift_refused": self.standby.drift_refused,
                     "checks_skipped": self.scheduler.unchecked if isinstance(self.scheduler, Int4Scheduler) else 0}
                    if self.standby else {}),
-                **self._audit_stats()}
+                **self._audit_stats(), **self._replica_stats()}
+
+    def _replica_stats(self) -> dict[str, float]:
+        """Pools of replicas (engines/replicas.py), by kind: endpoints healthy and in all,
+        streams continued on a sibling, endpoints ejected and rejoined."""
+        out: dict[str, float] = {}
+        for kind, rung in (("int4", self.int4), *(("standby", e) for e in self.standby_engines)):
+            if isinstance(rung, Replicas):
+                out.update({f"{kind}_endpoints": len(rung.endpoints), f"{kind}_endpoints_healthy": sum(rung.healthy),
+                            f"{kind}_migrations": rung.migrations, f"{kind}_ejections": rung.ejections,
+                            f"{kind}_rejoins": rung.rejoins})
+        return out
 
     def _audit_stats(self) -> dict[str, float]:
         a = self.standby.auditor if self.standby is not None else None

@@ -454,9 +454,8 @@ class RemotePool:
         assert self._client is not None
         while not self.health[j]:
             await asyncio.sleep(self.config.probe_every_s)
-            with contextlib.suppress(httpx.HTTPError):
-                if (await self._client.get(f"{self.rungs[j].base_url}/health", timeout=2.0)).status_code == 200:
-                    self.health[j] = True
+            if await self.rungs[j].alive(self._client):
+                self.health[j] = True
 
 
 def _logprob(tok: RemoteToken, k: int | None) -> TokenLogprob:

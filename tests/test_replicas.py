@@ -1,0 +1,106 @@
+"""A pool of replicas for real (engines/replicas.py): two llama-servers on the embedded GGUF as
+rung 0, one killed with SIGKILL mid-stream. Its answers go on at the sibling by token ids (no
+hazard, no handoff, no climb), equal to the unbroken greedy answers; the dead replica is ejected
+at once and rejoins when it is back."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from qladder.engines.replicas import Replicas
+from qladder.errors import ConfigError
+from qladder.model import user_prompt_ids
+from qladder.peers.llama_server import LlamaServer
+from qladder.sampling import SamplingParams
+from qladder.server.topology import parse_topology
+from qladder.serving import ServingConfig, ServingEngine
+
+from .conftest import get_engine
+
+pytestmark = pytest.mark.slow
+PROMPT = "Write a long story about a dragon who learns to bake bread."
+
+
+def _wait(cond, what: str, timeout_s: float = 60.0) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, f"waited {timeout_s:.0f} s for {what}"
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def test_a_replica_killed_mid_stream_its_answers_go_on_at_the_sibling_token_identical(model_info):
+    servers = [LlamaServer(model_info.path, n_parallel=2, threads=1, n_ctx_per_slot=1024).start() for _ in range(2)]
+    se = ServingEngine(ServingConfig(remote_url=tuple(s.base_url for s in servers)),
+                       standby_engines=[get_engine("fp32")])
+    try:
+        rung = se.int4
+        assert isinstance(rung, Replicas) and rung.n_slots == 4
+        ids = user_prompt_ids(se.info.chat_template, PROMPT, rung.tokenize)
+        params = SamplingParams(max_tokens=64)
+        unbroken = se.generate_sync(se.request(ids, params))  # the reference: no server dies
+        assert unbroken.hazards == [] and len(unbroken.token_ids) == 64
+        results: list = [None, None]
+
+        def run(k: int) -> None:
+            results[k] = se.generate_sync(se.request(ids, params))
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        _wait(lambda: rung.inflight == [1, 1], "one stream on each replica")
+        steps = se.scheduler.steps
+        _wait(lambda: se.scheduler.steps >= steps + 16, "16 more tokens")
+        servers[0].proc.kill()  # SIGKILL, mid-stream
+        for t in threads:
+            t.join(180)
+        assert rung.healthy == [False, True] and rung.migrations == 1 and rung.ejections == 1
+        for r in results:
+            assert r is not None and r.hazards == [] and r.handoffs == [] and not r.fallback
+            assert set(r.token_rungs) == {"llama-server"}
+            assert r.token_ids == unbroken.token_ids  # the answer survived its server, token for token
+        assert se.scheduler.healthy  # the rung stays up: a sibling is
+        st = se.stats()
+        assert (st["int4_endpoints"], st["int4_endpoints_healthy"], st["int4_migrations"]) == (2, 1, 1)
+        port = servers[0].port
+        servers[0].stop()  # (reaps the killed process)
+        servers[0] = LlamaServer(model_info.path, n_parallel=2, threads=1, n_ctx_per_slot=1024, port=port).start()
+        took = _wait(lambda: rung.healthy == [True, True], "the restarted replica to rejoin", 30)
+        print(f"rejoined {took:.2f} s after its /health answered")
+        again = se.generate_sync(se.request(ids, SamplingParams(max_tokens=8)))
+        assert again.hazards == [] and again.token_ids == unbroken.token_ids[:8]
+    finally:
+        se.close()
+        for s in servers:
+            s.stop()
+
+
+def test_every_replica_down_climbs_to_the_standby(model_info):
+    servers = [LlamaServer(model_info.path, n_parallel=1, threads=1, n_ctx_per_slot=1024).start() for _ in range(2)]
+    se = ServingEngine(ServingConfig(remote_url=tuple(s.base_url for s in servers)),
+                       standby_engines=[get_engine("fp32")])
+    try:
+        for s in servers:
+            s.stop()
+        ids = user_prompt_ids(se.info.chat_template, "Name three colors.", se.int4.tokenize)
+        r = se.generate_sync(se.request(ids, SamplingParams(max_tokens=8)))
+        assert r.hazards and r.hazards[0].check == "engine_error" and r.token_rungs[-1] == "fp32"
+        assert not r.fallback and not se.scheduler.healthy
+    finally:
+        se.close()
+
+
+def test_a_pool_takes_url_or_urls_not_both():
+    base = {"name": "edge", "rungs": ["llama-server"], "weight": 1.0, "handoff_to": "gpu"}
+    gpu = {"name": "gpu", "rungs": ["fp32"]}
+    t = parse_topology({"pools": [{**base, "urls": ["http://a:1", "http://b:2"]}, gpu]})
+    assert t.int4.endpoints == ("http://a:1", "http://b:2")
+    assert parse_topology({"pools": [{**base, "url": "http://a:1"}, gpu]}).int4.endpoints == "http://a:1"
+    for bad, why in (({"url": "http://a:1", "urls": ["http://b:2"]}, "not both"),
+                     ({"urls": ["http://a:1", "http://a:1"]}, "twice"),
+                     ({"urls": ["ftp://a:1"]}, "needs url")):
+        with pytest.raises(ConfigError, match=why):
+            parse_topology({"pools": [{**base, **bad}, gpu]})

@@ -410,14 +410,17 @@ def serve(
     api_keys_file: Annotated[Path | None, typer.Option("--api-keys-file", help="Bearer keys, one a line.")] = None,
     allow_faults: Annotated[bool, typer.Option("--allow-faults", help="Let requests inject faults.")] = False,
     redact: Annotated[bool, typer.Option("--redact", help="Store prompt fingerprints only.")] = False,
-    incidents: Annotated[Path | None, typer.Option(help="SQLite file for incident records.")] = None,
+    incidents: Annotated[str | None, typer.Option(help="Incident records: a SQLite file, or a PostgreSQL URL "
+                                                      "(postgresql://user@host:port/db).")] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    workers: Annotated[int, typer.Option(help="Gateway processes on the one port (remote pools only; they "
+                                              "share breakers and quarantine through [state]).")] = 1,
 ) -> None:
     """Serve the ladder over HTTP, OpenAI-compatible (chat/completions, completions, models, metrics)."""
     import dataclasses
     import logging
 
-    from qladder.server.serve import build_server, is_loopback, run
+    from qladder.server.serve import build_server, check_workers, is_loopback, run, run_workers
     from qladder.server.topology import load_topology
 
     _quiet_libraries()
@@ -430,7 +433,7 @@ def serve(
         if redact:
             over["redact"] = True
         if incidents is not None:
-            over["incidents"] = str(incidents)
+            over["incidents"] = incidents
         t = dataclasses.replace(t, server=dataclasses.replace(t.server, **over))
         keys = list(api_key or [])
         if api_keys_file is not None:
@@ -444,9 +447,18 @@ def serve(
         if t.server.allow_faults:
             typer.echo("qladder: warning: --allow-faults: clients can inject faults (validation and load tests only)",
                        err=True)
-        server = build_server(t, api_keys=keys)
+        warning = check_workers(t, workers)
+        if warning is not None:
+            typer.echo(f"qladder: warning: {warning}", err=True)
+        if workers == 1:
+            server = build_server(t, api_keys=keys)
     except QladderError as exc:
         _fail(str(exc))
+        return
+    if workers > 1:
+        typer.echo(f"qladder: serving {t.server.model_name} on http://{host}:{port}/v1 with {workers} workers "
+                   f"(pools: {', '.join(p.name + '=' + '+'.join(p.rungs) for p in t.pools)})", err=True)
+        run_workers(t, keys, workers, host, port, log_level)
         return
     typer.echo(f"qladder: serving {t.server.model_name} on http://{host}:{port}/v1 "
                f"(pools: {', '.join(p.name + '=' + '+'.join(p.rungs) for p in t.pools)})", err=True)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -177,6 +178,72 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: st
         _Draining(config).run()
     finally:
         server.close()
+
+
+WORKER_ENV = "QLADDER_SERVE_WORKER"  # what each worker builds: the topology and keys, pickled, base64
+
+
+def check_workers(t: Topology, workers: int) -> str | None:
+    """ConfigError unless `workers` gateway processes can serve `t`: every pool on servers (url or
+    urls; an in-process rung's model belongs to one process). A warning to print, or None."""
+    from qladder.errors import ConfigError
+
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {workers}")
+    if workers > 1 and not all(p.endpoints is not None for p in t.pools):
+        raise ConfigError("--workers > 1 needs every pool on servers (url or urls): an in-process rung holds the "
+                          "model in one process; run one `qladder serve` a process instead")
+    if workers > 1 and not t.state.shared:
+        return (f"--workers {workers} with [state] backend = \"memory\": each worker keeps its own breakers and "
+                "quarantine (share them: [state] backend = \"redis\")")
+    return None
+
+
+def run_workers(t: Topology, api_keys: Sequence[str], workers: int, host: str = "127.0.0.1", port: int = 8000,
+                log_level: str = "info") -> None:
+    """`qladder serve --workers N`: N gateway processes on one port (uvicorn's supervisor binds the
+    socket once and restarts a worker that dies), each with its own engine client and state sync,
+    sharing breakers and quarantine through the configured store. Remote pools only
+    (`check_workers`). SIGTERM: each worker
+    stops accepting, finishes its open answers for up to drain_timeout_s, then closes."""
+    import base64
+    import os
+    import pickle
+
+    import uvicorn
+
+    check_workers(t, workers)
+    os.environ[WORKER_ENV] = base64.b64encode(pickle.dumps((t, tuple(api_keys)))).decode()
+    uvicorn.run("qladder.server.serve:worker_app", factory=True, host=host, port=port, workers=workers,
+                log_level=log_level, access_log=False, lifespan="on",
+                timeout_graceful_shutdown=max(1, round(t.server.drain_timeout_s)))
+
+
+def worker_app() -> Any:
+    """One worker's ASGI app (uvicorn's factory, in the worker's process): the server built from
+    the parent's topology, closed when uvicorn shuts the worker down (the lifespan's end)."""
+    import base64
+    import os
+    import pickle
+
+    t, keys = pickle.loads(base64.b64decode(os.environ[WORKER_ENV]))  # written by run_workers, this user's
+    server = build_server(t, api_keys=keys)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await server.app(scope, receive, send)
+            return
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                server.gateway.draining = True
+                await asyncio.to_thread(server.close)
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    return app
 
 
 def is_loopback(host: str) -> bool:

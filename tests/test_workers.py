@@ -1,0 +1,74 @@
+"""`qladder serve --workers N` for real: two gateway processes on one port in front of a real
+llama-server, sharing state through a real Redis; and the refusal for in-process rungs."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from qladder.peers.llama_server import LlamaServer
+from qladder.peers.process import start_qladder_serve, stop
+from tests.servers import RedisServer
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_workers_on_one_port_answer_concurrent_clients_and_stop_cleanly(model_info, tmp_path):
+    import openai
+
+    redis = RedisServer().start()
+    llama = LlamaServer(model_info.path, n_parallel=4, threads=1, n_ctx_per_slot=1024).start()
+    config = tmp_path / "fleet.toml"
+    config.write_text(f"""
+[server]
+incidents = "{tmp_path / 'incidents.sqlite3'}"
+[[pools]]
+name = "edge"
+rungs = ["llama-server"]
+urls = ["{llama.base_url}"]
+slots = 4
+weight = 1.0
+[state]
+backend = "redis"
+url = "{redis.url}"
+""")
+    proc, base = start_qladder_serve(config, tmp_path / "serve.log", args=["--workers", "2"])
+    try:
+        workers = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(workers) == 2, [c.cmdline() for c in psutil.Process(proc.pid).children()]
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+        answers: list = [None] * 6
+
+        def ask(k: int) -> None:
+            answers[k] = client.chat.completions.create(
+                model="smollm2-135m-instruct", max_tokens=8, temperature=0,
+                messages=[{"role": "user", "content": f"Name a color. ({k})"}])
+
+        threads = [threading.Thread(target=ask, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert all(a is not None and a.choices[0].message.content for a in answers)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert all(not w.is_running() or w.status() == psutil.STATUS_ZOMBIE for w in workers)
+    finally:
+        stop(proc)
+        llama.stop()
+        redis.close()
+    log = (tmp_path / "serve.log").read_text(errors="replace")
+    assert "with 2 workers" in log and "Traceback" not in log
+
+
+def test_workers_refuse_in_process_rungs():
+    from qladder.cli import app
+
+    r = CliRunner().invoke(app, ["serve", "--workers", "2"])
+    assert r.exit_code != 0 and "needs every pool on servers" in r.stderr
+    r = CliRunner().invoke(app, ["serve", "--workers", "0"])
+    assert r.exit_code != 0 and "--workers must be >= 1" in r.stderr

@@ -1,6 +1,6 @@
 """The one checker behind bench/check_serving.py and bench/check_serve.py (and any run's folder).
 
-Usage: python bench/check.py KIND PATH     KIND: bench-serving | bench-serve | bench-verified
+Usage: python bench/check.py KIND PATH     KIND: bench-serving | bench-serve | bench-verified | bench-fleet
 PATH is a run's folder (outcomes.jsonl + results.json: every figure is recomputed from the outcomes
 first, and a difference is a failure) or a results JSON (`qladder bench ... --json` output). Prints
 each target's verdict; exits 1 when a figure differs, the JSON is not of that benchmark, or any

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The servers the fleet tests start (tests/servers.py): Redis and PostgreSQL, from Debian's
+# The stores the fleet tests and `qladder bench fleet` start (src/qladder/peers/stores.py): Redis and PostgreSQL, from Debian's
 # packages (the registries this project may use). Installs only what is missing; the tests do not
 # use the packages' own services (they launch the binaries on free ports in temp dirs).
 # Needs root (or sudo) the first time; prints what it found.

@@ -11,6 +11,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
+from qladder.peers.stores import RedisServer
 from qladder.server.breaker import Breaker, BreakerConfig, BreakerMode
 from qladder.server.metrics import ServerMetrics
 from qladder.server.quarantine import Quarantine, QuarantineConfig
@@ -18,7 +19,6 @@ from qladder.server.serve import assemble
 from qladder.server.shared_state import MemoryStateStore, StateSettings, StateSync, open_state_store
 from qladder.server.topology import Topology
 from tests.fakes import Clock, FakeClient
-from tests.servers import RedisServer
 
 CONFIG = BreakerConfig(window_s=30, min_requests=4, max_hazard_rate=0.5, open_s=10, probes=1)
 MODEL = "smollm2-135m-instruct"
@@ -98,6 +98,78 @@ def test_a_prompt_quarantined_by_one_gateway_is_quarantined_at_the_other_until_i
         assert c_gateway.quarantine.contains("fp-later") and not c_gateway.quarantine.contains("fp-bad")
     finally:
         c_gateway.close()
+
+
+def test_a_restarted_store_keeps_an_open_breaker_open(two_gateways):
+    """A store that lost its records (Redis restarted empty) takes each gateway's own state: a
+    breaker open on both stays open (it does not close without its probes)."""
+    a, b, clock = two_gateways
+    for _ in range(4):
+        a.breaker.record(hazard=True)
+    assert a.sync.sync_now() and b.sync.sync_now() and b.breaker.mode is BreakerMode.OPEN
+    store = a.sync._store
+    if isinstance(store, MemoryStateStore):
+        store._breakers.clear()
+    else:
+        import redis
+
+        r = redis.Redis.from_url(a.sync.settings.url)
+        r.delete(*r.keys(f"{a.sync.settings.prefix}*"))
+        r.close()
+    assert b.sync.sync_now() and a.sync.sync_now()
+    assert a.breaker.mode is BreakerMode.OPEN and b.breaker.mode is BreakerMode.OPEN
+    clock.t += 5
+    assert not a.breaker.allow() and not b.breaker.allow()
+
+
+def test_a_merge_applied_twice_counts_its_events_once_and_late_events_do_not_reopen_the_past(two_gateways):
+    """The store applied a merge whose answer was lost (the gateway merges the same journal
+    again): each event counts once. Then a gateway's old hazards arrive after a peer's newer
+    outcomes: they are applied at the newest time, and those older than the window are dropped."""
+    import asyncio
+
+    from qladder.server.breaker import BreakerState, Outcome
+
+    a, _b, clock = two_gateways
+    store = a.sync._store
+    config = BreakerConfig(window_s=30, min_requests=3, max_hazard_rate=0.5, open_s=10, probes=1)
+    events = [(clock.t, Outcome(hazard=True)), (clock.t, Outcome())]
+
+    async def merge(gw, evs, mark):
+        return await store.merge_breaker("p", gw, BreakerState(), evs, mark, config)
+
+    loop = a.sync._loop
+    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(10)  # noqa: E731  (the store's loop)
+    run(merge("g0", [], 0))  # the record exists (a new store takes the first gateway's own state)
+    run(merge("g1", events, 2))
+    state = run(merge("g1", events, 2))  # the retry
+    assert len(state.window) == 2 and state.mode is BreakerMode.CLOSED
+    state = run(merge("g2", [(clock.t + 25, Outcome())], 1))  # a peer, later
+    old = [(clock.t - 10, Outcome(hazard=True)), (clock.t + 1, Outcome(hazard=True))]
+    state = run(merge("g1", events + old, 4))  # events 3 and 4: one past the window, one inside it
+    # the first is dropped (counted, 3 hazards of 5 would open it); the second enters at the newest time
+    assert state.mode is BreakerMode.CLOSED and len(state.window) == 4
+    assert state.window[-1] == (clock.t + 25, True, False)
+    state = run(merge("g2", [(clock.t + 26, Outcome(hazard=True))], 2))
+    assert state.mode is BreakerMode.OPEN and state.opened_at == clock.t + 26  # now, not in the past
+
+
+def test_a_quarantine_add_pushed_late_is_still_pulled_by_a_connected_peer(two_gateways):
+    a, b, clock = two_gateways
+    a.quarantine.add("fp-late")  # added now, pushed only after B's pulls moved on
+    for _ in range(3):
+        clock.t += 5
+        b.quarantine.add(f"fp-b{clock.t}")
+        assert b.sync.sync_now()
+    assert a.sync.sync_now() and b.sync.sync_now()
+    assert b.quarantine.contains("fp-late")
+
+
+def test_a_redis_url_the_client_refuses_is_a_config_error():
+    from qladder.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="state url"):
+        StateSettings("redis", "redis://localhost:notaport/0")
 
 
 def test_redis_down_the_gateway_serves_on_its_own_view_and_rejoins_with_what_it_saw():

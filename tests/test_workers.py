@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from qladder.peers.llama_server import LlamaServer
 from qladder.peers.process import start_qladder_serve, stop
-from tests.servers import RedisServer
+from qladder.peers.stores import RedisServer
 
 pytestmark = pytest.mark.slow
 

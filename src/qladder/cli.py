@@ -401,6 +401,32 @@ def bench_serve(
     typer.echo(json.dumps(out, indent=None if as_json else 2))
 
 
+@bench_app.command("fleet")
+def bench_fleet(
+    window: Annotated[float, typer.Option(help="Seconds per side per round in the comparison.")] = 30.0,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds of the comparison.")] = 3,
+    clients: Annotated[int, typer.Option(help="Concurrent streaming clients, half on each gateway.")] = 16,
+    max_tokens: Annotated[int, typer.Option("--max-tokens")] = 64,
+    phase: Annotated[float, typer.Option(help="Seconds of load in the kill and Redis phases.")] = 20.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (always JSON).")] = True,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Also write outcomes.jsonl and results.json "
+                                                              "here (bench/check_fleet.py OUT recomputes).")] = None,
+) -> None:
+    """Two gateways sharing Redis over two llama-server replicas: throughput against the replicas
+    straight, a replica killed mid-load, Redis killed, a faulted burst on one gateway, incidents
+    in PostgreSQL (benchmarks/fleet.py)."""
+    from qladder.benchmarks.fleet import run_fleet_bench
+
+    _quiet_libraries()
+    try:
+        out = run_fleet_bench(window, rounds, clients, max_tokens, phase_s=phase,
+                              log=lambda m: typer.echo(m, err=True), out_dir=out_dir)
+    except (QladderError, RuntimeError) as exc:
+        _fail(str(exc))
+        return
+    typer.echo(json.dumps(out, indent=None if as_json else 2, default=str))
+
+
 @app.command()
 def serve(
     config: Annotated[Path | None, typer.Option(help="Topology TOML file (pools, breakers, ...).")] = None,

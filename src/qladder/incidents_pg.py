@@ -75,12 +75,19 @@ def _number(x: float | None) -> float | None:
     return x  # PostgreSQL keeps NaN and infinities; `_readable` gives them back as SQLite's text
 
 
+# the columns the SQLite store keeps as text when non-finite (incidents._finite); others as numbers
+_AS_TEXT = frozenset({"value", "threshold", "kl_top5", "fp32_gap"})
+
+
 def _readable(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+    return {k: (str(v) if k in _AS_TEXT and isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in row.items()}
 
 
 class PostgresIncidentStore:
     """The incident and audit tables in a PostgreSQL database (IncidentBackend)."""
+
+    STATEMENT_TIMEOUT_S = 30.0
 
     def __init__(self, url: str, redact: bool = False, connect_timeout_s: float = 5.0):
         self.path, self.redact, self._timeout = url, redact, connect_timeout_s
@@ -94,8 +101,10 @@ class PostgresIncidentStore:
         """The connection, opened again if the server dropped it (the caller holds the lock)."""
         if self._db is None or self._db.closed or self._db.broken:
             try:
+                # bounded: a hung server fails a batch (logged and counted) instead of holding the lock
                 self._db = psycopg.connect(self.path, autocommit=True, row_factory=dict_row,
-                                           connect_timeout=max(1, round(self._timeout)))
+                                           connect_timeout=max(1, round(self._timeout)), keepalives=1,
+                                           options=f"-c statement_timeout={round(self.STATEMENT_TIMEOUT_S * 1000)}")
             except psycopg.OperationalError as exc:
                 raise ConfigError(f"cannot reach the incident database {_safe(self.path)}: {exc}") from exc
         return self._db
@@ -106,21 +115,28 @@ class PostgresIncidentStore:
     def record_many(self, incidents: Sequence[Incident]) -> None:
         """Insert the rows in one transaction (committed together, or not at all)."""
         rows = [incident_row(inc, self.redact, _text, _number) for inc in incidents]
+        self._write(f"INSERT INTO incidents ({INCIDENT_COLUMNS}) VALUES ({', '.join(['%s'] * 15)})", rows)
+
+    def _write(self, sql: str, rows: Sequence[tuple[Any, ...]]) -> None:
+        """One transaction; a connection the server dropped since the last one (a restart) is
+        opened again and the batch tried once more (nothing of it was committed)."""
         with self._lock:
-            db = self._conn()
-            with db.transaction(), db.cursor() as cur:
-                cur.executemany(f"INSERT INTO incidents ({INCIDENT_COLUMNS}) VALUES ({', '.join(['%s'] * 15)})",
-                                rows)
+            for attempt in (0, 1):
+                db = self._conn()
+                try:
+                    with db.transaction(), db.cursor() as cur:
+                        cur.executemany(sql, rows)
+                    return
+                except psycopg.OperationalError:
+                    if attempt or not db.broken:
+                        raise
 
     def __call__(self, incident: Incident) -> None:
         self.record(incident)
 
     def record_audits(self, records: Sequence[AuditRecord]) -> None:
         rows = [audit_row(a, _text, _number) for a in records]
-        with self._lock:
-            db = self._conn()
-            with db.transaction(), db.cursor() as cur:
-                cur.executemany(f"INSERT INTO audits ({AUDIT_COLUMNS}) VALUES ({', '.join(['%s'] * 10)})", rows)
+        self._write(f"INSERT INTO audits ({AUDIT_COLUMNS}) VALUES ({', '.join(['%s'] * 10)})", rows)
 
     def _select(self, sql: str, params: Sequence[Any]) -> list[dict[str, Any]]:
         with self._lock:

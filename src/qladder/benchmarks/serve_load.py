@@ -268,15 +268,17 @@ def run_serve_bench(duration_s: float = 120.0, window_s: float = 60.0, rounds: i
     return _write({**head, "observations": obs}, outcomes, out_dir)
 
 
-def _write(head: dict[str, Any], outcomes: list[Outcome], out_dir: Path | None) -> dict[str, Any]:
+def _write(head: dict[str, Any], outcomes: list[Outcome], out_dir: Path | None, mode: str = RUN) -> dict[str, Any]:
+    """results.json's content: the figures of `mode` (recompute.figures) from the outcomes as
+    written to, and read back from, out_dir/outcomes.jsonl (when given)."""
     from qladder.validate.outcome import read_jsonl, write_jsonl
     from qladder.validate.recompute import figures
 
     if out_dir is None:
-        return {**head, "figures": figures(outcomes, RUN, head["observations"])}
+        return {**head, "figures": figures(outcomes, mode, head["observations"])}
     out_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl(out_dir / "outcomes.jsonl", outcomes)
-    results = {**head, "figures": figures(read_jsonl(out_dir / "outcomes.jsonl"), RUN, head["observations"])}
+    results = {**head, "figures": figures(read_jsonl(out_dir / "outcomes.jsonl"), mode, head["observations"])}
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
     return results
 

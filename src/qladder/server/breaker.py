@@ -122,7 +122,7 @@ class Breaker:
     `shared`: gateways share the breaker (qladder.server.shared_state): every event applied here
     is also journaled, the state sync merges the journal into the shared state and the breaker
     `adopt`s the result. The journal keeps the newest `JOURNAL_MAX` events while the store is away
-    (older ones have left any window by then)."""
+    (the merge drops outcomes older than the shared window anyway)."""
 
     JOURNAL_MAX = 4096
 
@@ -142,11 +142,12 @@ class Breaker:
         with self._lock:
             return self._state
 
-    def journal(self) -> tuple[list[Stamped], int]:
-        """The events applied here and not yet merged into the shared state, oldest first, and
-        a mark to hand back to `adopt` (how many events were ever journaled)."""
+    def journal(self) -> tuple[BreakerState, list[Stamped], int]:
+        """This breaker's state, the events applied here and not yet merged into the shared state
+        (oldest first; the state includes them), and a mark to hand back to `adopt` (how many
+        events were ever journaled: the last one's sequence number), all at one instant."""
         with self._lock:
-            return list(self._journal or ()), self._journaled
+            return self._state, list(self._journal or ()), self._journaled
 
     def adopt(self, shared: BreakerState, mark: int) -> None:
         """The shared state now holds the events journaled before `mark`: take it as this

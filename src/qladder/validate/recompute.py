@@ -246,12 +246,16 @@ def verdicts(f: dict[str, Any], t: Targets) -> list[dict[str, Any]]:
 
 
 def figures(outcomes: Sequence[Outcome], mode: str, observations: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Every figure of a run's report (`mode`: in-process | remote | bench-serving | bench-serve;
+    """Every figure of a run's report (`mode`: in-process | remote | bench-serving | bench-serve | bench-fleet;
     `observations`: what bench serve sampled besides its requests, the breaker's modes and counts)."""
     if mode == "bench-serving":
         return serving_figures(outcomes)
     if mode == "bench-serve":
         return serve_figures(outcomes, observations or {})
+    if mode == "bench-fleet":
+        from qladder.validate.fleet_figures import fleet_figures
+
+        return fleet_figures(outcomes, observations or {})
     if mode == "bench-verified":
         from qladder.validate.verified_figures import verified_figures
 

@@ -1,6 +1,6 @@
-"""Real Redis and PostgreSQL servers for the tests: each launched from its installed binary
-(`scripts/servers.sh` installs them) on a free loopback port, in a temp dir of its own, and
-stopped by the test that started it. Nothing here depends on a server started by hand."""
+"""Real Redis and PostgreSQL servers for the tests and `qladder bench fleet`: each launched from
+its installed binary (`scripts/servers.sh` installs them) on a free loopback port, in a temp dir
+of its own, and stopped by whoever started it. Nothing here depends on a server started by hand."""
 
 from __future__ import annotations
 
@@ -13,24 +13,23 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from qladder.peers.process import free_port
 
 
 def _binary(name: str) -> str:
     """`name` on PATH, or in Debian's versioned PostgreSQL folder (the newest)."""
-    found = shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
+    versions = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"),
+                      key=lambda p: int(p.split("/")[4]) if p.split("/")[4].isdigit() else 0, reverse=True)
+    found = shutil.which(name) or next(iter(versions), None)
     if found is None:
         raise RuntimeError(f"{name} is not installed: run scripts/servers.sh (make install does)")
     return found
 
 
-def _wait(ready, what: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+def _wait(ready: Callable[[], bool], what: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -41,7 +40,9 @@ def _wait(ready, what: str, proc: subprocess.Popen[bytes], timeout_s: float = 30
         except OSError:
             pass
         time.sleep(0.05)
-    raise RuntimeError(f"{what} was not ready within {timeout_s:.0f} s")
+    proc.kill()
+    proc.wait(10)
+    raise RuntimeError(f"{what} was not ready within {timeout_s:.0f} s (stopped)")
 
 
 class RedisServer:
@@ -89,11 +90,11 @@ class PostgresServer:
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="qladder-pg-"))
         self.proc: subprocess.Popen[bytes] | None = None
-        self._as: dict[str, str] = {}
+        self._user: str | None = None
         if os.geteuid() == 0:
             pw = pwd.getpwnam("postgres")
             os.chown(self.dir, pw.pw_uid, pw.pw_gid)
-            self._as = {"user": "postgres", "group": "postgres"}
+            self._user = "postgres"
 
     @property
     def url(self) -> str:
@@ -104,11 +105,12 @@ class PostgresServer:
         if not data.exists():
             subprocess.run([_binary("initdb"), "-D", str(data), "-U", "qladder", "--auth=trust",
                             "-E", "UTF8", "--no-locale", "--no-sync"],
-                           check=True, capture_output=True, cwd=self.dir, **self._as)
+                           check=True, capture_output=True, cwd=self.dir, user=self._user, group=self._user)
         self.proc = subprocess.Popen([_binary("postgres"), "-D", str(data), "-p", str(self.port),
                                       "-k", str(self.dir), "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off",
                                       "-c", "max_connections=50"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.dir, **self._as)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.dir,
+                                     user=self._user, group=self._user)
         _wait(self._ready, f"postgres on port {self.port}", self.proc)
         return self
 

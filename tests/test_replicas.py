@@ -78,6 +78,44 @@ def test_a_replica_killed_mid_stream_its_answers_go_on_at_the_sibling_token_iden
             s.stop()
 
 
+def test_a_migrated_stream_waits_for_a_busy_sibling_as_for_a_first_token(model_info):
+    """The sibling is busy (one slot, a long answer in it): the migrated stream's next token comes
+    only after that answer and the prefill, seconds past the step deadline (2 s). That wait is
+    a first token's (`RemoteResumed`), not a stall: no deadline hazard, no climb, the same answer."""
+    servers = [LlamaServer(model_info.path, n_parallel=1, threads=1, n_ctx_per_slot=1024).start() for _ in range(2)]
+    se = ServingEngine(ServingConfig(remote_url=tuple(s.base_url for s in servers)),
+                       standby_engines=[get_engine("fp32")])
+    try:
+        rung = se.int4
+        assert isinstance(rung, Replicas)
+        ids = user_prompt_ids(se.info.chat_template, "Name three colors.", rung.tokenize)
+        long_ids = user_prompt_ids(se.info.chat_template, PROMPT, rung.tokenize)
+        unbroken = se.generate_sync(se.request(ids, SamplingParams(max_tokens=32, ignore_eos=True)))
+        results: dict[str, object] = {}
+
+        def run(name: str, prompt: list[int], n: int) -> None:
+            results[name] = se.generate_sync(se.request(prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
+
+        short = threading.Thread(target=run, args=("short", ids, 32))
+        short.start()
+        _wait(lambda: rung.inflight == [1, 0], "the short answer on replica 0")
+        long = threading.Thread(target=run, args=("long", long_ids, 300))
+        long.start()
+        _wait(lambda: rung.inflight == [1, 1], "the long answer on replica 1")
+        steps = se.scheduler.steps
+        _wait(lambda: se.scheduler.steps >= steps + 8, "8 more tokens")
+        servers[0].proc.kill()
+        short.join(180)
+        long.join(180)
+        r = results["short"]
+        assert r.hazards == [] and r.handoffs == [] and r.token_ids == unbroken.token_ids, r.hazards
+        assert rung.migrations == 1 and results["long"].hazards == []
+    finally:
+        se.close()
+        for s in servers:
+            s.stop()
+
+
 def test_every_replica_down_climbs_to_the_standby(model_info):
     servers = [LlamaServer(model_info.path, n_parallel=1, threads=1, n_ctx_per_slot=1024).start() for _ in range(2)]
     se = ServingEngine(ServingConfig(remote_url=tuple(s.base_url for s in servers)),

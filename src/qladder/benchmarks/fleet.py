@@ -18,9 +18,10 @@ gateway, greedy answers of `max_tokens`. Phases, in this order:
    answer).
 3. redis: fleet load; Redis is killed (SIGKILL) at `kill_at_s` and restarted (empty) 5 s later;
    /readyz's "state" sampled on both gateways.
-4. burst: every request to A faulted (`nan@step=1`) while B serves clean traffic; both gateways'
-   INT4 breakers sampled every 50 ms (`breaker_seen_by_peer_s`: B's first "open" after A's);
-   then a prompt A quarantined is sent to B (its route).
+4. burst: every client at A, every request faulted (`nan@step=1`; B gets none: its clean
+   outcomes would feed the same shared window); both gateways' INT4 breakers sampled every 50 ms
+   (`breaker_seen_by_peer_s`: B's first "open" after A's); then a prompt A quarantined is sent,
+   unfaulted, to B (its route).
 5. incidents: the PostgreSQL table's rows against the hazards both gateways' /metrics counted.
 
 Every request is a line of outcomes.jsonl; what was sampled besides is `observations`; every
@@ -189,7 +190,7 @@ def _kill_phase(gateways: list[QladderProcess], replicas: list[LlamaServer], url
         await asyncio.sleep(kill_at_s)
         assert victim.proc is not None
         victim.proc.send_signal(signal.SIGKILL)
-        killed_at, obs["kill_clock_s"] = time.perf_counter() - t0, clock.now()
+        killed_at, kill_clock = time.perf_counter() - t0, clock.now()
         await asyncio.sleep(restart_after_s)
         await asyncio.to_thread(victim.stop)  # reaps it
         restart_at = time.perf_counter() - t0
@@ -201,7 +202,8 @@ def _kill_phase(gateways: list[QladderProcess], replicas: list[LlamaServer], url
         seen = await sampler
         ejected = [_first(seen[n], 1, killed_at) for n in urls]
         back = [_first(seen[n], 2, healthy_at) for n in urls]
-        obs["kill"] = {"killed_at_s": round(killed_at, 3), "restarted_at_s": round(restart_at, 3),
+        obs["kill"] = {"killed_at_s": round(killed_at, 3), "kill_clock_s": kill_clock,
+                       "restarted_at_s": round(restart_at, 3),
                        "healthy_at_s": round(healthy_at, 3), "timeline": seen,
                        "time_to_eject_s": None if None in ejected else round(max(e for e in ejected if e is not None)
                                                                              - killed_at, 3),
@@ -251,7 +253,7 @@ def _redis_phase(gateways: list[QladderProcess], redis: RedisServer, urls: dict[
 
 def _burst_phase(gateways: list[QladderProcess], urls: dict[str, str], jobs: list[Job], clients: int,
                  seconds: float, max_tokens: int, clock: Clock, obs: dict[str, Any], say: Any) -> list[Outcome]:
-    say(f"burst: every request to gateway a faulted for {seconds:.0f} s, gateway b clean")
+    say(f"burst: every client at gateway a, every request faulted, for {seconds:.0f} s")
     a, b = gateways
     burst: list[Job] = [(f"burst-{k}", f"Burst question {k}: say something about the number {k}.", ["nan@step=1"])
                         for k in range(10_000)]
@@ -260,15 +262,13 @@ def _burst_phase(gateways: list[QladderProcess], urls: dict[str, str], jobs: lis
         done = asyncio.Event()
         t0 = time.perf_counter()
         sampler = asyncio.ensure_future(_sample(urls, lambda body: body.get("breakers", {}).get("edge"), done, t0))
-        parts = await asyncio.gather(
-            _closed_loop(a.base_url, "fleet_a", "burst", "burst/a", 0, burst, clients // 2, seconds, max_tokens,
-                         clock),
-            _closed_loop(b.base_url, "fleet_b", "burst", "burst/b", 0, jobs, clients - clients // 2, seconds,
-                         max_tokens, clock, start_at=12000))
+        # every client at A (B's clean outcomes would feed the same shared window); B is watched
+        out = await _closed_loop(a.base_url, "fleet_a", "burst", "burst/a", 0, burst, clients, seconds, max_tokens,
+                                 clock)
+        await asyncio.sleep(1.0)
         done.set()
         seen = await sampler
         opened = {n: _first(seen[n], "open") for n in urls}
-        out = [o for p in parts for o in p]
         first_burst = next(o for o in out if o.config == "fleet_a")
         routes = {}
         async with httpx.AsyncClient(timeout=120) as h:  # the prompt A quarantined, unfaulted, at B (and A)

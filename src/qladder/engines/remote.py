@@ -41,6 +41,15 @@ class RemoteEnd:
     length: bool
 
 
+@dataclass(frozen=True)
+class RemoteResumed:
+    """A pool of replicas moved the stream to a sibling (its endpoint failed): the next token
+    comes after the sibling's prefill of the context, a first token's wait, not a step's."""
+
+
+RemoteItem = RemoteToken | RemoteEnd | RemoteResumed
+
+
 class RemoteRung(Protocol):
     name: str
     base_url: str
@@ -59,7 +68,7 @@ class RemoteRung(Protocol):
     def detokenize_bytes(self, token_ids: Sequence[int]) -> bytes: ...
 
     def stream(self, client: httpx.AsyncClient, ids: list[int], params: SamplingParams,
-               n_remaining: int) -> AsyncGenerator[RemoteToken | RemoteEnd, None]:
+               n_remaining: int) -> AsyncGenerator[RemoteItem, None]:
         """Continue `ids` for at most `n_remaining` tokens, sampled with `params` by the server."""
         ...
 

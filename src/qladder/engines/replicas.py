@@ -12,8 +12,10 @@ picked at random: power of two choices).
 An answer survives its server: when an endpoint fails mid-stream, the stream continues on a
 healthy sibling from the ids it has already yielded (prompt + the answer so far, the budget
 reduced by as many), so the caller (the remote pool, its guard and the client) sees one
-uninterrupted stream. Every token yielded was one the pool asked for after judging the one
-before, so the ids continued from are the answer's accepted ids. A greedy answer continues
+uninterrupted stream (a `RemoteResumed` item tells the pool to wait for the sibling's first token
+as for any first token: its queue and prefill, not one decode step). Every token yielded was one
+the pool asked for after judging the one before, so the ids continued from are the answer's
+accepted ids. A greedy answer continues
 token-identical to its unbroken run (same weights, same kernels); a sampled one continues
 validly, with other draws. Only when no sibling is healthy does the error reach the pool, which
 then climbs to the next rung as for a single server. Migration needs the whole state to be in
@@ -34,7 +36,7 @@ from collections.abc import AsyncGenerator, Sequence
 
 import httpx
 
-from qladder.engines.remote import RemoteEnd
+from qladder.engines.remote import RemoteEnd, RemoteItem, RemoteResumed
 from qladder.engines.remote_llama import LlamaServerRung
 from qladder.engines.remote_vllm import VllmRung
 from qladder.errors import ConfigError, RemoteTransportError
@@ -128,9 +130,12 @@ class Replicas:
 
     # -- streams -------------------------------------------------------------------------------------
     async def stream(self, client: httpx.AsyncClient, ids: list[int], params: SamplingParams,
-                     n_remaining: int) -> AsyncGenerator[RemoteToken | RemoteEnd, None]:
+                     n_remaining: int) -> AsyncGenerator[RemoteItem, None]:
         answered: list[int] = []  # the ids yielded so far (the pool accepted each before asking for more)
+        resumed = False
         while True:
+            if resumed:  # the pool waits for the sibling's first token as for any first token
+                yield RemoteResumed()
             k = self.pick()
             if k is None:
                 raise RemoteTransportError(f"no healthy {self.name} replica ({self.base_url})")
@@ -151,6 +156,7 @@ class Replicas:
                 if not any(self.healthy):
                     raise
                 self.migrations += 1  # the same answer goes on at a sibling, from the ids it has
+                resumed = True
             finally:
                 self.inflight[k] -= 1
 

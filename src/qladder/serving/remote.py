@@ -38,7 +38,7 @@ import httpx
 
 from qladder import fault_seam
 from qladder.actions import Confirm, Continue, Done, Drafted, Leave, Move, MoveTo, Verify
-from qladder.engines.remote import RemoteEnd, RemoteRung
+from qladder.engines.remote import RemoteEnd, RemoteResumed, RemoteRung
 from qladder.errors import ConfigError, EngineDeadError, EngineError, QueueFullError, RemoteStreamError
 from qladder.health.drift import check_drift
 from qladder.health.remote import RemoteToken, check_draft
@@ -293,6 +293,9 @@ class RemotePool:
                                   detail=f"{rung.name} sent no token within {limit:.1f} s")
                 except StopAsyncIteration:
                     raise RemoteStreamError(f"{rung.name}'s stream ended without an end") from None
+                if isinstance(item, RemoteResumed):  # a replica died: its sibling prefills the context
+                    first, last = True, self.clock()
+                    continue
                 was_first = patient
                 if first:
                     first = False

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from qladder.actions import Continue, Done, Move, MoveTo
-from qladder.engines.remote import RemoteEnd
+from qladder.engines.remote import RemoteEnd, RemoteResumed
 from qladder.engines.remote_vllm import VllmRung
 from qladder.errors import RemoteStreamError
 from qladder.health.remote import RemoteToken, check_remote
@@ -127,6 +127,8 @@ async def _draft(pool: RemotePool, m: RequestMachine, n: int) -> tuple[list[int]
                                           detail=f"{rung.name}'s stream ended without an end")
                 if isinstance(item, RemoteEnd):
                     return drafts, None
+                if isinstance(item, RemoteResumed):  # a replica died mid-draft: its sibling goes on
+                    continue
                 assert isinstance(item, RemoteToken)
                 t = item.token_id
                 expected = rung.detokenize_bytes([t]) if 0 <= t < rung.n_vocab else None

@@ -18,8 +18,9 @@ gateway, greedy answers of `max_tokens`. Phases, in this order:
    answer).
 3. redis: fleet load; Redis is killed (SIGKILL) at `kill_at_s` and restarted (empty) 5 s later;
    /readyz's "state" sampled on both gateways.
-4. burst: every client at A, every request faulted (`nan@step=1`; B gets none: its clean
-   outcomes would feed the same shared window); both gateways' INT4 breakers sampled every 50 ms
+4. burst: after a quiet breaker window (the earlier phases' clean outcomes have left it), every
+   client at A, every request faulted (`nan@step=1`; B gets none: its clean outcomes would feed
+   the same shared window); both gateways' INT4 breakers sampled every 50 ms
    (`breaker_seen_by_peer_s`: B's first "open" after A's); then a prompt A quarantined is sent,
    unfaulted, to B (its route).
 5. incidents: the PostgreSQL table's rows against the hazards both gateways' /metrics counted.
@@ -46,9 +47,11 @@ from qladder.benchmarks.serve_load import Clock, Job, QladderProcess, _closed_lo
 from qladder.environment import cpu, versions
 from qladder.peers.llama_server import LlamaServer
 from qladder.peers.stores import PostgresServer, RedisServer
+from qladder.server.breaker import BreakerConfig
 from qladder.validate.outcome import Outcome
 
 RUN = "bench-fleet"
+BREAKER_WINDOW_S = BreakerConfig().window_s  # the gateways' (the defaults)
 
 
 def _topology(urls: list[str], redis_url: str, pg_url: str, max_tokens: int, slots: int) -> str:
@@ -159,6 +162,8 @@ def run_fleet_bench(window_s: float = 30.0, rounds: int = 3, clients: int = 16, 
                                 max_tokens, clock, obs, say)
         outcomes += _redis_phase(gateways, redis, urls, jobs, clients, phase_s, kill_at_s, max_tokens, clock, obs,
                                  say)
+        say(f"quiet for the breaker's window ({BREAKER_WINDOW_S:.0f} s): the burst's window holds the burst alone")
+        time.sleep(BREAKER_WINDOW_S)
         outcomes += _burst_phase(gateways, urls, jobs, clients, burst_s, max_tokens, clock, obs, say)
         time.sleep(2.0)  # the writers commit off the decode loop
         _incidents(gateways, pg, obs)

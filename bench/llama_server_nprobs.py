@@ -13,9 +13,9 @@ import time
 
 import httpx
 
+from qladder.engines.llamacpp import LlamaVocab
 from qladder.environment import cpu, versions
 from qladder.model import inspect_model, user_prompt_ids
-from qladder.engines.llamacpp import LlamaVocab
 from qladder.peers.llama_server import LlamaServer
 from qladder.validate.corpora import normal_prompts
 
@@ -41,7 +41,9 @@ async def window(url: str, prompts: list[list[int]], n_probs: int, clients: int,
 
 def main() -> None:
     a = sys.argv[1:]
-    rounds, seconds, clients = int(a[0]) if a else 3, float(a[1]) if len(a) > 1 else 20.0, int(a[2]) if len(a) > 2 else 8
+    rounds = int(a[0]) if a else 3
+    seconds = float(a[1]) if len(a) > 1 else 20.0
+    clients = int(a[2]) if len(a) > 2 else 8
     info = inspect_model()
     vocab = LlamaVocab(info)
     prompts = [user_prompt_ids(info.chat_template, str(p.prompt), vocab.tokenize)

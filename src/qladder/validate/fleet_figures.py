@@ -19,30 +19,27 @@ The targets (issue 19) are fixed in TARGETS before any run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from qladder.percentiles import percentile, ratio
 from qladder.validate.outcome import Outcome
+from qladder.validate.recompute import _verdict as _v
+from qladder.validate.recompute import window_rate
 
 TARGETS = {"fleet_over_direct_tok_s": 0.9, "time_to_eject_s": 2.0, "time_to_rejoin_s": 5.0,
            "breaker_seen_by_peer_s": 1.0}
 
 
-def _window(outs: Sequence[Outcome]) -> float | None:
-    spans = [(o.start_s, o.end_s) for o in outs if o.start_s is not None and o.end_s is not None]
-    span = max(e for _, e in spans) - min(s for s, _ in spans) if spans else 0.0
-    return sum(o.tokens for o in outs if o.ok) / span if span > 0 else None
+def _tok_s(outs: Sequence[Outcome]) -> float | None:
+    """A window's tokens over its span (recompute.window_rate)."""
+    rate: float | None = window_rate(outs)["tok_s"]
+    return rate
 
 
 def _latency(outs: Sequence[Outcome], slowest: float) -> dict[str, Any]:
     lat = [o.latency_ms if o.ok else slowest for o in outs]
     return {"requests": len(outs), "p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99)}
-
-
-def _v(name: str, value: float | None, limit: float, ok: Callable[[float], bool], note: str = "") -> dict[str, Any]:
-    status = "no data" if value is None else ("pass" if ok(value) else "fail")
-    return {"name": name, "value": value, "limit": limit, "status": status, "note": note}
 
 
 def fleet_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> dict[str, Any]:
@@ -53,7 +50,7 @@ def fleet_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> 
     fleet = [o for o in cmp_ if o.config.startswith("fleet")]
     direct = [o for o in cmp_ if o.config == "llama_server_direct"]
     rounds = sorted({o.round for o in cmp_})
-    per_round = {r: (_window([o for o in fleet if o.round == r]), _window([o for o in direct if o.round == r]))
+    per_round = {r: (_tok_s([o for o in fleet if o.round == r]), _tok_s([o for o in direct if o.round == r]))
                  for r in rounds}
     f["compare"] = {"windows": {str(r): {"fleet_tok_s": a, "direct_tok_s": b} for r, (a, b) in per_round.items()},
                     "latency": {"fleet": _latency(fleet, slowest), "direct": _latency(direct, slowest)}}

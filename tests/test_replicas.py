@@ -131,6 +131,50 @@ def test_every_replica_down_climbs_to_the_standby(model_info):
         se.close()
 
 
+def test_every_replica_killed_mid_stream_the_answers_climb_and_the_rung_is_down_until_one_is_back(model_info):
+    """Both replicas die under two streams (cut short, then refused at the sibling): each answer
+    climbs to the standby (no fallback, no 5xx), and the pool marks the rung down
+    (EndpointsDownError), so the next request starts above it, until a replica answers again."""
+    servers = [LlamaServer(model_info.path, n_parallel=1, threads=1, n_ctx_per_slot=1024).start() for _ in range(2)]
+    se = ServingEngine(ServingConfig(remote_url=tuple(s.base_url for s in servers)),
+                       standby_engines=[get_engine("fp32")])
+    try:
+        rung = se.int4
+        assert isinstance(rung, Replicas)
+        ids = user_prompt_ids(se.info.chat_template, PROMPT, rung.tokenize)
+        results: list = [None, None]
+
+        def run(k: int) -> None:
+            results[k] = se.generate_sync(se.request(ids, SamplingParams(max_tokens=48, ignore_eos=True)))
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        _wait(lambda: rung.inflight == [1, 1], "one stream on each replica")
+        steps = se.scheduler.steps
+        _wait(lambda: se.scheduler.steps >= steps + 8, "8 more tokens")
+        for s in servers:
+            s.proc.kill()
+        for t in threads:
+            t.join(300)
+        for r in results:
+            assert r is not None and not r.fallback and len(r.token_ids) == 48
+            assert r.hazards[0].check == "engine_error" and r.token_rungs[-1] == "fp32"
+        assert rung.healthy == [False, False] and not se.scheduler.healthy  # the rung is down
+        after = se.generate_sync(se.request(ids, SamplingParams(max_tokens=4)))
+        assert after.hazards == [] and set(after.token_rungs) == {"fp32"}  # started above it
+        port = servers[1].port
+        servers[1].stop()
+        servers[1] = LlamaServer(model_info.path, n_parallel=1, threads=1, n_ctx_per_slot=1024, port=port).start()
+        _wait(lambda: se.scheduler.healthy and rung.healthy[1], "the pool's probe to find replica 1 back", 30)
+        back = se.generate_sync(se.request(ids, SamplingParams(max_tokens=4)))
+        assert back.hazards == [] and set(back.token_rungs) == {"llama-server"}
+    finally:
+        se.close()
+        for s in servers:
+            s.stop()
+
+
 def test_a_pool_takes_url_or_urls_not_both():
     base = {"name": "edge", "rungs": ["llama-server"], "weight": 1.0, "handoff_to": "gpu"}
     gpu = {"name": "gpu", "rungs": ["fp32"]}

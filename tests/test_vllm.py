@@ -31,8 +31,8 @@ MODEL = "smollm2-135m-instruct"
 
 
 @contextlib.contextmanager
-def serving(llama_url: str, vllm_url: str, tmp_path, breaker: BreakerConfig | None = None, **server: object
-            ) -> Iterator[tuple[Server, str]]:
+def serving(llama_url: str, vllm_url: str | tuple[str, ...], tmp_path, breaker: BreakerConfig | None = None,
+            **server: object) -> Iterator[tuple[Server, str]]:
     t = remote_topology(llama_url, vllm_url, incidents=str(tmp_path / "incidents.db"), **server)
     if breaker is not None:
         t = dataclasses.replace(t, breaker=breaker)
@@ -228,6 +228,22 @@ def test_verified_decoding_over_llama_server_and_vllm_streams_vllms_greedy_answe
     assert "Paris" in verified[0][0] and fast[0] == int4 != verified[0][0]  # INT4's own answer without it
     assert stats["windows"] >= len(prompts) and stats["stood"] >= stats["drafted"] // 2 > 0  # drafts do stand
     assert sampled[0] and set(sampled[1]["tokens_per_rung"]) == {"vllm"}  # sampled: vLLM's alone
+
+
+def test_verified_decoding_with_vllm_replicas_as_the_standby_is_vllms_greedy_answer(model_info, vllm_server,
+                                                                                    tmp_path):
+    """The standby pool as `urls` (two endpoints on the one vLLM here: by 127.0.0.1 and by
+    localhost): the verifier is a pool of replicas, and each window's verdict comes from one of them."""
+    prompt = "What is the capital of France?"
+    urls = (vllm_server.base_url, vllm_server.base_url.replace("127.0.0.1", "localhost"))
+    with LlamaServer(model_info.path, n_parallel=2, threads=1, n_ctx_per_slot=1024) as ls, \
+            serving(ls.base_url, urls, tmp_path, drift_bound=0.0) as (server, base):
+        text, ext = _verified_stream(base, prompt, 32, "verified")
+        ids = user_prompt_ids(model_info.chat_template, prompt, server.vocab.tokenize)
+        stats = server.engine.stats()
+    assert text == _vllm_greedy(vllm_server.base_url, ids, 32) and ext["hazards"] == [] and not ext["fallback"]
+    assert set(ext["tokens_per_rung"]) == {"vllm"} and stats["verified_windows"] >= 1
+    assert stats["standby_endpoints"] == 2 and stats["standby_endpoints_healthy"] == 2
 
 
 def test_verified_decoding_over_a_corrupted_llama_server_is_still_vllms_answer(model_info, inf_scale_gguf,

@@ -36,11 +36,14 @@ weight = 1.0
 backend = "redis"
 url = "{redis.url}"
 """)
-    proc, base = start_qladder_serve(config, tmp_path / "serve.log", args=["--workers", "2"])
+    key = "sk-fleet-test-key"
+    proc, base = start_qladder_serve(config, tmp_path / "serve.log", args=["--workers", "2", "--api-key", key])
     try:
         workers = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
         assert len(workers) == 2, [c.cmdline() for c in psutil.Process(proc.pid).children()]
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+        for p in (psutil.Process(proc.pid), *workers):  # the key reaches the workers by a 0600 file, not the env
+            assert not any(key in v for v in p.environ().values()) and key not in " ".join(p.cmdline()[:-2])
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
         answers: list = [None] * 6
 
         def ask(k: int) -> None:
@@ -72,3 +75,29 @@ def test_workers_refuse_in_process_rungs():
     assert r.exit_code != 0 and "needs every pool on servers" in r.stderr
     r = CliRunner().invoke(app, ["serve", "--workers", "0"])
     assert r.exit_code != 0 and "--workers must be >= 1" in r.stderr
+
+
+def test_a_worker_that_cannot_start_stops_the_command_with_its_reason(tmp_path):
+    """Every worker fails to build its server (the llama-server it names is not there): the
+    command exits non-zero with the reason, at once (uvicorn's STARTUP_FAILURE), not a restart loop."""
+    import subprocess
+    import sys
+    import time
+
+    from qladder.peers.process import free_port
+
+    config = tmp_path / "fleet.toml"
+    config.write_text(f"""
+[[pools]]
+name = "edge"
+rungs = ["llama-server"]
+urls = ["http://127.0.0.1:{free_port()}"]
+slots = 4
+weight = 1.0
+""")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "qladder", "serve", "--config", str(config), "--port", str(free_port()),
+                        "--workers", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "a gateway worker could not start" in r.stderr, r.stderr[-2000:]
+    assert r.stderr.count("Child process") <= 2, r.stderr[-2000:]  # each worker tried once, none restarted
+    print(f"stopped {time.monotonic() - t0:.1f} s after the start")

@@ -484,7 +484,10 @@ def serve(
     if workers > 1:
         typer.echo(f"qladder: serving {t.server.model_name} on http://{host}:{port}/v1 with {workers} workers "
                    f"(pools: {', '.join(p.name + '=' + '+'.join(p.rungs) for p in t.pools)})", err=True)
-        run_workers(t, keys, workers, host, port, log_level)
+        try:
+            run_workers(t, keys, workers, host, port, log_level)
+        except QladderError as exc:  # a worker could not build its server: every worker stopped
+            _fail(str(exc))
         return
     typer.echo(f"qladder: serving {t.server.model_name} on http://{host}:{port}/v1 "
                f"(pools: {', '.join(p.name + '=' + '+'.join(p.rungs) for p in t.pools)})", err=True)

@@ -22,6 +22,8 @@ maps to its own status in server/app.py), and neither is a remote stream that br
     Draining                        the server is shutting down (503)
     ClientDisconnected              the client went away before its answer (no response)
     RemoteStreamError               a server answered, but not with a usable stream
+     └── RemoteTransportError        the server failed it (5xx, cut short): a replica's sibling goes on
+          └── EndpointsDownError     no replica of the rung is in rotation: the rung is down
 """
 
 from __future__ import annotations
@@ -108,3 +110,8 @@ class RemoteStreamError(Exception):
 class RemoteTransportError(RemoteStreamError):
     """The server, not the model, failed the stream: a 5xx answer, or a stream cut short (a
     replica that died). A pool of replicas continues the answer on a sibling."""
+
+
+class EndpointsDownError(RemoteTransportError):
+    """Every replica of a remote rung is out of rotation: the rung is down (its pool probes it)
+    until one of them answers its `/health`."""

@@ -108,8 +108,9 @@ class VllmRung(HttpRung):
 
 async def _completion(client: httpx.AsyncClient, base_url: str, body: dict[str, object]) -> dict[str, Any]:
     r = await client.post(f"{base_url}/v1/completions", json=body)
-    if r.status_code != 200:
-        raise RemoteStreamError(f"vLLM answered HTTP {r.status_code}: {r.text[:200]}")
+    if r.status_code != 200:  # a 5xx is the server's failure (a pool of replicas tries a sibling)
+        error = RemoteTransportError if r.status_code >= 500 else RemoteStreamError
+        raise error(f"vLLM answered HTTP {r.status_code}: {r.text[:200]}")
     return dict(r.json())
 
 

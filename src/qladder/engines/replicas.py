@@ -4,8 +4,11 @@
     async for item in rung.stream(client, ids, params, n)         one stream, whichever replica
 
 Each replica (an endpoint) has its own health: a refused connection, a dropped stream or a 5xx
-(`RemoteTransportError`: the server's fault, not the model's) ejects it at once, and its
-`/health` is probed every `probe_every_s` until it answers, when it rejoins. A new stream goes to
+(`RemoteTransportError`) from a server whose `/health` then fails too (the server's fault, not
+the model's) ejects it at once, and its `/health` is probed every `probe_every_s` until it
+answers, when it rejoins. A server that fails a call and still answers `/health` failed that
+request, not itself (a 5xx its input causes would fail every sibling alike): it stays in rotation
+and the request's error reaches the pool, as from a single server. A new stream goes to
 the healthy endpoint with the fewest streams in flight (past 8 endpoints, the better of two
 picked at random: power of two choices).
 
@@ -17,8 +20,9 @@ as for any first token: its queue and prefill, not one decode step). Every token
 the pool asked for after judging the one before, so the ids continued from are the answer's
 accepted ids. A greedy answer continues
 token-identical to its unbroken run (same weights, same kernels); a sampled one continues
-validly, with other draws. Only when no sibling is healthy does the error reach the pool, which
-then climbs to the next rung as for a single server. Migration needs the whole state to be in
+validly, with other draws. Only when no sibling is healthy does the error reach the pool
+(`EndpointsDownError`: the pool marks the rung down and probes it), which then climbs to the
+next rung as for a single server; a stream migrates at most once per endpoint. Migration needs the whole state to be in
 the token ids: a request with state outside them (grammar-constrained decoding, which qladder
 does not send) could not be migrated. A malformed chunk or an error chunk is not a transport
 failure (the answer may be what broke it): it reaches the pool as before.
@@ -32,18 +36,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import httpx
 
 from qladder.engines.remote import RemoteEnd, RemoteItem, RemoteResumed
 from qladder.engines.remote_llama import LlamaServerRung
-from qladder.engines.remote_vllm import VllmRung
-from qladder.errors import ConfigError, RemoteTransportError
+from qladder.engines.remote_vllm import Verdict, VllmRung
+from qladder.errors import ConfigError, EndpointsDownError, RemoteStreamError, RemoteTransportError
 from qladder.health.remote import RemoteToken, Scored
 from qladder.sampling import SamplingParams
 
 TWO_CHOICES_PAST = 8
+T = TypeVar("T")
 
 
 class Replicas:
@@ -106,39 +112,62 @@ class Replicas:
         return min(up, key=lambda k: (self.inflight[k], k))
 
     def eject(self, k: int) -> None:
-        """Endpoint k failed a stream: out of rotation, probed until it answers (the loop thread)."""
+        """Endpoint k failed a stream: out of rotation, probed until it answers (the loop thread;
+        one probe per endpoint)."""
         if self.healthy[k]:
             self.healthy[k] = False
             self.ejections += 1
+        probe = self._probes.get(k)
+        if probe is None or probe.done():
             self._probes[k] = asyncio.ensure_future(self._probe(k))
+
+    def _rejoin(self, k: int) -> None:
+        if not self.healthy[k]:
+            self.healthy[k] = True
+            self.rejoins += 1
 
     async def _probe(self, k: int) -> None:
         async with httpx.AsyncClient() as client:
             while not self.healthy[k]:
                 await asyncio.sleep(self.probe_every_s)
                 if await self.endpoints[k].alive(client):
-                    self.healthy[k] = True
-                    self.rejoins += 1
+                    self._rejoin(k)
 
     async def alive(self, client: httpx.AsyncClient) -> bool:
         """Any endpoint answers (each that does rejoins)."""
         for k, e in enumerate(self.endpoints):
             if not self.healthy[k] and await e.alive(client):
-                self.healthy[k] = True
-                self.rejoins += 1
+                self._rejoin(k)
         return any(self.healthy)
+
+    async def _servers_fault(self, client: httpx.AsyncClient, k: int, exc: Exception) -> None:
+        """Endpoint k failed a call (a refused or dropped connection, a 5xx, a stream cut short).
+        Whose failure: a server whose `/health` still answers failed this request (a 5xx that its
+        input causes would fail every sibling the same way), so it stays in rotation and the error
+        reaches the pool as the request's (a RemoteStreamError: a hazard, as for one server).
+        Otherwise the endpoint is ejected, and EndpointsDownError says when none is left; the
+        caller goes on at a sibling."""
+        if await self.endpoints[k].alive(client):
+            raise RemoteStreamError(f"{self.endpoints[k].base_url} failed this request and answers its "
+                                    f"/health: {exc}") from exc
+        self.eject(k)
+        if not any(self.healthy):
+            raise EndpointsDownError(f"every {self.name} replica is down ({self.base_url}): {exc}") from exc
+
+    def _next(self) -> int:
+        k = self.pick()
+        if k is None:
+            raise EndpointsDownError(f"no healthy {self.name} replica ({self.base_url})")
+        return k
 
     # -- streams -------------------------------------------------------------------------------------
     async def stream(self, client: httpx.AsyncClient, ids: list[int], params: SamplingParams,
                      n_remaining: int) -> AsyncGenerator[RemoteItem, None]:
         answered: list[int] = []  # the ids yielded so far (the pool accepted each before asking for more)
-        resumed = False
-        while True:
-            if resumed:  # the pool waits for the sibling's first token as for any first token
+        for attempt in range(len(self.endpoints)):  # at most one migration per endpoint ejected
+            if attempt:  # the pool waits for the sibling's first token as for any first token
                 yield RemoteResumed()
-            k = self.pick()
-            if k is None:
-                raise RemoteTransportError(f"no healthy {self.name} replica ({self.base_url})")
+            k = self._next()
             self.inflight[k] += 1
             try:
                 stream = self.endpoints[k].stream(client, ids + answered, params,
@@ -151,30 +180,37 @@ class Replicas:
                         if isinstance(item, RemoteEnd):
                             return
                 return
-            except (httpx.TransportError, RemoteTransportError):
-                self.eject(k)
-                if not any(self.healthy):
-                    raise
+            except (httpx.TransportError, RemoteTransportError) as exc:
+                await self._servers_fault(client, k, exc)
                 self.migrations += 1  # the same answer goes on at a sibling, from the ids it has
-                resumed = True
             finally:
                 self.inflight[k] -= 1
+        raise EndpointsDownError(f"a {self.name} stream lost {len(self.endpoints)} replicas in a row ({self.base_url})")
 
     async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[Scored]:
-        """Score on a healthy endpoint; a transport failure tries the next one."""
-        while True:
-            k = self.pick()
-            if k is None:
-                raise RemoteTransportError(f"no healthy {self.name} replica to score on ({self.base_url})")
+        """Score on a healthy endpoint; a server's failure tries the next one."""
+        return await self._call(client, lambda e: e.score(client, prompt, draft))
+
+    async def verify(self, client: httpx.AsyncClient, context: list[int], draft: list[int]) -> Verdict:
+        """Verified decoding's one call (vLLM replicas), on a healthy endpoint as `score`."""
+        def one(e: LlamaServerRung | VllmRung) -> Awaitable[Verdict]:
+            if not isinstance(e, VllmRung):
+                raise TypeError(f"{e.server} cannot verify a draft")
+            return e.verify(client, context, draft)
+
+        return await self._call(client, one)
+
+    async def _call(self, client: httpx.AsyncClient, call: Callable[[LlamaServerRung | VllmRung], Awaitable[T]]) -> T:
+        for _ in range(len(self.endpoints)):
+            k = self._next()
             self.inflight[k] += 1
             try:
-                return await self.endpoints[k].score(client, prompt, draft)
-            except (httpx.TransportError, RemoteTransportError):
-                self.eject(k)
-                if not any(self.healthy):
-                    raise
+                return await call(self.endpoints[k])
+            except (httpx.TransportError, RemoteTransportError) as exc:
+                await self._servers_fault(client, k, exc)
             finally:
                 self.inflight[k] -= 1
+        raise EndpointsDownError(f"a {self.name} call lost {len(self.endpoints)} replicas in a row ({self.base_url})")
 
     def close(self) -> None:  # (the probes are tasks of the pool's loop: its close cancels them)
         for e in self.endpoints:

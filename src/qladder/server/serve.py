@@ -180,7 +180,8 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: st
         server.close()
 
 
-WORKER_ENV = "QLADDER_SERVE_WORKER"  # what each worker builds: the topology and keys, pickled, base64
+WORKER_ENV = "QLADDER_SERVE_WORKER"  # the folder (0700) where each worker reads what it builds
+_TOPOLOGY, _FAILED = "topology.pickle", "failed.txt"  # the topology and keys (0600); a worker's start-up failure
 
 
 def check_workers(t: Topology, workers: int) -> str | None:
@@ -204,30 +205,59 @@ def run_workers(t: Topology, api_keys: Sequence[str], workers: int, host: str = 
     """`qladder serve --workers N`: N gateway processes on one port (uvicorn's supervisor binds the
     socket once and restarts a worker that dies), each with its own engine client and state sync,
     sharing breakers and quarantine through the configured store. Remote pools only
-    (`check_workers`). SIGTERM: each worker
-    stops accepting, finishes its open answers for up to drain_timeout_s, then closes."""
-    import base64
+    (`check_workers`). The workers read the topology and the API keys from a file only this user
+    can read (never the environment, which `ps e` shows). A worker that cannot build its server
+    (a server unreachable at start, a tokenizer refused) exits with uvicorn's STARTUP_FAILURE: the
+    supervisor stops every worker, and this raises QladderError with the worker's reason (no
+    restart loop, no exit 0). SIGTERM: each worker stops accepting, finishes its open answers for
+    up to drain_timeout_s, then closes."""
     import os
     import pickle
+    import tempfile
 
     import uvicorn
 
+    from qladder.errors import QladderError
+
     check_workers(t, workers)
-    os.environ[WORKER_ENV] = base64.b64encode(pickle.dumps((t, tuple(api_keys)))).decode()
-    uvicorn.run("qladder.server.serve:worker_app", factory=True, host=host, port=port, workers=workers,
-                log_level=log_level, access_log=False, lifespan="on",
-                timeout_graceful_shutdown=max(1, round(t.server.drain_timeout_s)))
+    with tempfile.TemporaryDirectory(prefix="qladder-workers-") as folder:  # 0700
+        path = Path(folder) / _TOPOLOGY
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump((t, tuple(api_keys)), f)
+        os.environ[WORKER_ENV] = folder
+        try:
+            uvicorn.run("qladder.server.serve:worker_app", factory=True, host=host, port=port, workers=workers,
+                        log_level=log_level, access_log=False, lifespan="on",
+                        timeout_graceful_shutdown=max(1, round(t.server.drain_timeout_s)))
+        finally:
+            del os.environ[WORKER_ENV]
+        failed = Path(folder) / _FAILED
+        if failed.exists():
+            why = failed.read_text(errors="replace").splitlines() or ["(no reason written)"]
+            raise QladderError(f"a gateway worker could not start: {why[0]}")
 
 
 def worker_app() -> Any:
     """One worker's ASGI app (uvicorn's factory, in the worker's process): the server built from
-    the parent's topology, closed when uvicorn shuts the worker down (the lifespan's end)."""
-    import base64
+    the parent's topology, closed when uvicorn shuts the worker down (the lifespan's end). A
+    failure to build it is written for the parent and ends the worker with STARTUP_FAILURE."""
     import os
     import pickle
+    import sys
 
-    t, keys = pickle.loads(base64.b64decode(os.environ[WORKER_ENV]))  # written by run_workers, this user's
-    server = build_server(t, api_keys=keys)
+    from uvicorn.config import STARTUP_FAILURE
+
+    folder = Path(os.environ[WORKER_ENV])
+    with open(folder / _TOPOLOGY, "rb") as f:  # written by run_workers, this user's alone
+        t, keys = pickle.load(f)
+    try:
+        server = build_server(t, api_keys=keys)
+    except Exception as exc:
+        _log.error("this gateway worker could not start: %s", exc)
+        with contextlib.suppress(OSError), open(folder / _FAILED, "a") as out:
+            out.write(f"{exc}\n")
+        sys.exit(STARTUP_FAILURE)
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "lifespan":

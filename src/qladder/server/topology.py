@@ -176,13 +176,14 @@ class ModelSettings:
     n_ctx: int = 2048
 
 
-def remote_topology(llama_url: str, vllm_url: str, **server: Any) -> Topology:
+def remote_topology(llama_url: str, vllm_url: str | tuple[str, ...], **server: Any) -> Topology:
     """The topology in front of two serving engines: an INT4 pool ("edge", 4 slots) on a
-    llama-server handing off to a full-precision pool ("gpu", 4 sessions) on a vLLM, with
-    `server` replacing [server] settings (benchmarks and tests)."""
+    llama-server handing off to a full-precision pool ("gpu", 4 sessions) on a vLLM (or on
+    replicas of it: a tuple of urls), with `server` replacing [server] settings (benchmarks and tests)."""
     t = Topology()
-    pools = (PoolConfig("edge", ("llama-server",), slots=4, weight=1.0, handoff_to="gpu", url=llama_url),
-             PoolConfig("gpu", ("vllm",), sessions=4, url=vllm_url))
+    gpu = (PoolConfig("gpu", ("vllm",), sessions=4, urls=vllm_url) if isinstance(vllm_url, tuple)
+           else PoolConfig("gpu", ("vllm",), sessions=4, url=vllm_url))
+    pools = (PoolConfig("edge", ("llama-server",), slots=4, weight=1.0, handoff_to="gpu", url=llama_url), gpu)
     return replace(t, pools=pools, server=replace(t.server, **server))
 
 

@@ -39,7 +39,14 @@ import httpx
 from qladder import fault_seam
 from qladder.actions import Confirm, Continue, Done, Drafted, Leave, Move, MoveTo, Verify
 from qladder.engines.remote import RemoteEnd, RemoteResumed, RemoteRung
-from qladder.errors import ConfigError, EngineDeadError, EngineError, QueueFullError, RemoteStreamError
+from qladder.errors import (
+    ConfigError,
+    EndpointsDownError,
+    EngineDeadError,
+    EngineError,
+    QueueFullError,
+    RemoteStreamError,
+)
 from qladder.health.drift import check_drift
 from qladder.health.remote import RemoteToken, check_draft
 from qladder.machine import RequestMachine
@@ -239,6 +246,9 @@ class RemotePool:
         visit = RemoteVisit(m)
         try:
             hazard = await self._tokens(m, rung, j, visit)
+        except EndpointsDownError as exc:  # every replica of the rung is out: down until one answers
+            self._set_healthy(j, False)
+            hazard = self._error(m, str(exc))
         except RemoteStreamError as exc:
             hazard = self._error(m, str(exc))
         except httpx.HTTPError as exc:
@@ -396,7 +406,8 @@ class RemotePool:
         except (RemoteStreamError, httpx.HTTPError, TimeoutError) as exc:
             _log.warning("request %s: %s could not check its draft (%r); released unchecked",
                          m.request_id, above.name, exc)
-            if not isinstance(exc, RemoteStreamError):  # unreachable or hung: no more windows until it answers
+            if not isinstance(exc, RemoteStreamError) or isinstance(exc, EndpointsDownError):
+                # unreachable or hung: no more windows until it answers
                 self.unhealthy(j + 1)
             self.checks["unchecked"] += 1
             visit.draft_checked([])

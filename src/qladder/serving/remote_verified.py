@@ -34,7 +34,8 @@ import httpx
 from qladder.actions import Continue, Done, Move, MoveTo
 from qladder.engines.remote import RemoteEnd, RemoteResumed
 from qladder.engines.remote_vllm import VllmRung
-from qladder.errors import RemoteStreamError
+from qladder.engines.replicas import Replicas
+from qladder.errors import EndpointsDownError, RemoteStreamError
 from qladder.health.remote import RemoteToken, check_remote
 from qladder.machine import RequestMachine
 from qladder.sampling import SamplingParams
@@ -51,7 +52,7 @@ async def run_verified(pool: RemotePool, m: RequestMachine) -> Move | None:
     """Decide the request window by window; None when it ended, else where it goes (rung 1)."""
     client = pool.client
     verifier = pool.rungs[1]
-    assert isinstance(verifier, VllmRung)
+    assert isinstance(verifier, VllmRung | Replicas)  # (`verifies`: a rung 1 that scores is vLLM's)
     m.decided_by(1, None)
     m.hold(0)
     k, stuck = K_FIRST, 0
@@ -72,7 +73,7 @@ async def run_verified(pool: RemotePool, m: RequestMachine) -> Move | None:
         try:
             verdict = await asyncio.wait_for(verifier.verify(client, m.context, drafts), pool.config.check_timeout_s)
         except (RemoteStreamError, httpx.HTTPError, TimeoutError) as exc:
-            if not isinstance(exc, RemoteStreamError):
+            if not isinstance(exc, RemoteStreamError) or isinstance(exc, EndpointsDownError):
                 pool.unhealthy(1)
             return m.on_hazard(Hazard("engine_error", m.rungs[1], m.step, detail=f"vLLM could not verify: {exc!r}"),
                                None)
@@ -127,7 +128,8 @@ async def _draft(pool: RemotePool, m: RequestMachine, n: int) -> tuple[list[int]
                                           detail=f"{rung.name}'s stream ended without an end")
                 if isinstance(item, RemoteEnd):
                     return drafts, None
-                if isinstance(item, RemoteResumed):  # a replica died mid-draft: its sibling goes on
+                if isinstance(item, RemoteResumed):  # a replica died mid-draft: its sibling goes on, after
+                    limit = max(g.step_deadline_s, pool.config.first_token_timeout_s)  # its queue and prefill
                     continue
                 assert isinstance(item, RemoteToken)
                 t = item.token_id
@@ -138,7 +140,7 @@ async def _draft(pool: RemotePool, m: RequestMachine, n: int) -> tuple[list[int]
                 drafts.append(t)
                 limit = g.step_deadline_s
     except (RemoteStreamError, httpx.HTTPError) as exc:
-        if isinstance(exc, httpx.HTTPError):
+        if isinstance(exc, httpx.HTTPError | EndpointsDownError):
             pool.unhealthy(0)
         return drafts, Hazard("engine_error", rung.name, m.step + len(drafts), detail=f"{rung.name}: {exc!r}")
     return drafts, None

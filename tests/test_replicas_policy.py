@@ -1,0 +1,151 @@
+"""Replicas' policy on fake endpoints (engines/replicas.py): whose failure a failed call is, where
+a stream goes on, how many times, and one probe per ejected endpoint. Fakes, not mocks: each
+endpoint is a tiny deterministic "model" (the next id is the sum of the context mod 97) that can
+die mid-stream, answer a 5xx, or stay up; the real servers' kill -9 is in test_replicas.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+
+import httpx
+import pytest
+
+from qladder.engines.remote import RemoteEnd, RemoteResumed
+from qladder.engines.remote_vllm import Verdict
+from qladder.engines.replicas import Replicas
+from qladder.errors import EndpointsDownError, RemoteStreamError, RemoteTransportError
+from qladder.health.remote import RemoteToken, Scored
+from qladder.sampling import SamplingParams
+
+
+def next_id(ids: list[int]) -> int:
+    return sum(ids) % 97
+
+
+class FakeEndpoint:
+    """One replica: `fail_after` tokens into its next stream it fails (a 5xx or a cut-short
+    stream: RemoteTransportError); `up` is what its /health answers."""
+
+    name, can_score, precision, fingerprint = "fake", True, "int4", "v1"
+    n_ctx, n_slots, n_vocab, eos_ids, server = 4096, 1, 97, frozenset[int](), "fake-server"
+
+    def __init__(self, url: str, fail_after: int | None = None, up: bool = True):
+        self.base_url, self.fail_after, self.up = url, fail_after, up
+        self.streams = self.calls = self.health_checks = 0
+
+    async def stream(self, client: httpx.AsyncClient, ids: list[int], params: SamplingParams,
+                     n: int) -> AsyncGenerator[RemoteToken | RemoteEnd, None]:
+        self.streams += 1
+        ctx = list(ids)
+        for i in range(n):
+            if self.fail_after is not None and i >= self.fail_after:
+                self.fail_after = None  # (one failure a stream)
+                raise RemoteTransportError(f"{self.base_url}: stream cut short")
+            t = next_id(ctx)
+            ctx.append(t)
+            yield RemoteToken(t, -0.1, None)
+            await asyncio.sleep(0)
+        yield RemoteEnd(length=True)
+
+    async def alive(self, client: httpx.AsyncClient) -> bool:
+        self.health_checks += 1
+        return self.up
+
+    async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[Scored]:
+        self.calls += 1
+        if self.fail_after is not None:
+            self.fail_after = None
+            raise RemoteTransportError(f"{self.base_url} answered HTTP 500")
+        return [Scored(-0.1, 1, t) for t in draft]
+
+    def close(self) -> None:
+        pass
+
+
+def replicas(*endpoints: FakeEndpoint) -> Replicas:
+    return Replicas(list(endpoints), probe_every_s=0.01)  # type: ignore[arg-type]
+
+
+async def collect(r: Replicas, n: int) -> list[object]:
+    async with httpx.AsyncClient() as client:
+        return [item async for item in r.stream(client, [1, 2, 3], SamplingParams(max_tokens=n), n)]
+
+
+def tokens(items: list[object]) -> list[int]:
+    return [i.token_id for i in items if isinstance(i, RemoteToken)]
+
+
+def unbroken(n: int) -> list[int]:
+    ctx = [1, 2, 3]
+    for _ in range(n):
+        ctx.append(next_id(ctx))
+    return ctx[3:]
+
+
+def test_a_dead_server_mid_stream_is_ejected_and_the_answer_goes_on_at_a_sibling():
+    dead = FakeEndpoint("http://a", fail_after=5, up=False)
+    r = replicas(dead, FakeEndpoint("http://b"))
+    items = asyncio.run(collect(r, 12))
+    assert tokens(items) == unbroken(12)  # the sibling continued from the ids yielded
+    assert sum(isinstance(i, RemoteResumed) for i in items) == 1 and isinstance(items[-1], RemoteEnd)
+    assert (r.healthy, r.migrations, r.ejections, r.inflight) == ([False, True], 1, 1, [0, 0])
+
+
+def test_a_5xx_from_a_server_that_answers_health_is_the_requests_error_not_an_ejection():
+    """A request whose input makes a server fail would make every sibling fail alike: it must not
+    eject the pool's replicas one by one. Its error reaches the pool as the request's."""
+    live = FakeEndpoint("http://a", fail_after=3, up=True)
+    other = FakeEndpoint("http://b")
+    r = replicas(live, other)
+    with pytest.raises(RemoteStreamError) as err:
+        asyncio.run(collect(r, 12))
+    assert not isinstance(err.value, RemoteTransportError) and "answers its /health" in str(err.value)
+    assert (r.healthy, r.migrations, r.ejections, other.streams) == ([True, True], 0, 0, 0)
+
+
+def test_every_replica_failing_is_endpoints_down_whatever_the_last_failure_was():
+    """The last replica's stream cut short (not a refused connection) still says the rung is down:
+    the pool marks it unhealthy and probes it (EndpointsDownError)."""
+    r = replicas(FakeEndpoint("http://a", fail_after=2, up=False), FakeEndpoint("http://b", fail_after=2, up=False))
+    with pytest.raises(EndpointsDownError):
+        asyncio.run(collect(r, 12))
+    assert (r.healthy, r.migrations, r.ejections) == ([False, False], 1, 2)
+    with pytest.raises(EndpointsDownError):  # and a new stream is refused at once
+        asyncio.run(collect(r, 4))
+
+
+def test_an_endpoint_ejected_again_has_one_probe_and_rejoins_once():
+    async def go() -> Replicas:
+        a = FakeEndpoint("http://a", up=False)
+        r = replicas(a, FakeEndpoint("http://b"))
+        r.eject(0)
+        r.eject(0)  # a second failure before the probe saw it back: still one probe
+        assert len([p for p in r._probes.values() if not p.done()]) == 1
+        async with httpx.AsyncClient() as client:
+            await r.alive(client)  # the pool's own probe of the rung races the endpoint's
+            a.up = True
+            assert await r.alive(client)
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+        assert r._probes[0].done()
+        return r
+
+    r = asyncio.run(go())
+    assert (r.healthy, r.ejections, r.rejoins) == ([True, True], 1, 1)
+
+
+def test_score_and_verify_go_on_at_a_sibling_when_a_replica_dies():
+    async def go(r: Replicas) -> tuple[list[Scored], Verdict | None]:
+        async with httpx.AsyncClient() as client:
+            scored = await r.score(client, [1, 2], [5, 6])
+            try:
+                verdict = await r.verify(client, [1, 2], [5])
+            except TypeError:  # fakes are not vLLM: verify refuses them by type, after picking one
+                verdict = None
+            return scored, verdict
+
+    r = replicas(FakeEndpoint("http://a", fail_after=0, up=False), FakeEndpoint("http://b"))
+    scored, verdict = asyncio.run(go(r))
+    assert [s.rank for s in scored] == [1, 1] and verdict is None
+    assert (r.healthy, r.ejections) == ([False, True], 1)

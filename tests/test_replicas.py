@@ -58,6 +58,7 @@ def test_a_replica_killed_mid_stream_its_answers_go_on_at_the_sibling_token_iden
         for t in threads:
             t.join(180)
         assert rung.healthy == [False, True] and rung.migrations == 1 and rung.ejections == 1
+        assert sorted(r.timings.get("migrations", 0) for r in results) == [0, 1]  # the answer says it moved
         for r in results:
             assert r is not None and r.hazards == [] and r.handoffs == [] and not r.fallback
             assert set(r.token_rungs) == {"llama-server"}

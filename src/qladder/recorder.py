@@ -79,6 +79,10 @@ class Recorder:
         for key, n in (("verify_windows", 1), ("verify_drafts", drafts), ("verify_kept", kept)):
             self.timings[key] = self.timings.get(key, 0) + n
 
+    def migrated(self) -> None:
+        """A pool of replicas continued the answer's stream at a sibling (its replica died)."""
+        self.timings["migrations"] = self.timings.get("migrations", 0) + 1
+
     def total(self) -> None:
         self.timings["total_ms"] = (self.clock() - self.t0) * 1e3
 

@@ -88,6 +88,11 @@ async def _sample(urls: dict[str, str], read: Callable[[dict[str, Any]], Any], d
 
 
 def _first(timeline: list[tuple[float, Any]], value: Any, after: float = 0.0) -> float | None:
+    """When a sampled timeline (its changes) first holds `value` from `after` on: `after` itself
+    when the value it held then already was `value` (it changed before `after`)."""
+    then = [v for t, v in timeline if t <= after]
+    if then and then[-1] == value:
+        return after
     return next((t for t, v in timeline if v == value and t >= after), None)
 
 
@@ -236,7 +241,7 @@ def _redis_phase(gateways: list[QladderProcess], redis: RedisServer, urls: dict[
         load = asyncio.ensure_future(_fleet_load(gateways, "redis", jobs, clients, seconds, max_tokens, clock,
                                                  start_at=9000))
         await asyncio.sleep(kill_at_s)
-        redis.stop()
+        await asyncio.to_thread(redis.stop)  # (off the loop: the load and the sampler go on)
         killed_at = time.perf_counter() - t0
         await asyncio.sleep(5.0)
         await asyncio.to_thread(redis.start)

@@ -304,6 +304,7 @@ class RemotePool:
                 except StopAsyncIteration:
                     raise RemoteStreamError(f"{rung.name}'s stream ended without an end") from None
                 if isinstance(item, RemoteResumed):  # a replica died: its sibling prefills the context
+                    m.rec.migrated()
                     first, last = True, self.clock()
                     continue
                 was_first = patient

@@ -129,6 +129,7 @@ async def _draft(pool: RemotePool, m: RequestMachine, n: int) -> tuple[list[int]
                 if isinstance(item, RemoteEnd):
                     return drafts, None
                 if isinstance(item, RemoteResumed):  # a replica died mid-draft: its sibling goes on, after
+                    m.rec.migrated()
                     limit = max(g.step_deadline_s, pool.config.first_token_timeout_s)  # its queue and prefill
                     continue
                 assert isinstance(item, RemoteToken)

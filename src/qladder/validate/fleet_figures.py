@@ -4,9 +4,12 @@
     compare      tok/s per window (its answers' tokens over its span), the fleet's over direct's
                  per round, their median: `ratios.fleet_over_direct_tok_s`; latency P50/P99 per side
                  (a failed request counts as the slowest)
-    kill         the answers in flight at the kill (sent before it, done after): 5xx, garbage, and
-                 how many equal their prompt's answer in the compare phase (the unbroken greedy
+    kill         the answers in flight at the kill (sent before it, done after): 5xx, garbage;
+                 those whose stream went on at the sibling (each answer's own `migrations`, from
+                 its extension: at least one must have, or the phase proved nothing), and how many
+                 of these equal their prompt's answer in the compare phase (the unbroken greedy
                  answer; a prompt whose compare answers differ among themselves is counted apart);
+                 hazards and handoffs in the phase (a replica's death is not the model's: none);
                  the observed migrations, time to eject and to rejoin
     redis        5xx while Redis was down and back; both gateways seen on their local view, and
                  shared again after the restart
@@ -65,11 +68,12 @@ def fleet_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> 
     killed = [o for o in outs if o.phase == "kill"]
     flight = [o for o in killed if kill_at is not None and o.start_s is not None and o.end_s is not None
               and o.start_s < kill_at < o.end_s]
-    stable = [o for o in flight if len(answers.get(o.prompt_id, ())) == 1]
+    moved = [o for o in flight if o.migrations]
+    stable = [o for o in moved if len(answers.get(o.prompt_id, ())) == 1]
     same = sum(1 for o in stable if (tuple(o.token_ids),) == tuple(answers[o.prompt_id]))
-    f["kill"] = {"requests": len(killed), "in_flight_at_kill": len(flight),
+    f["kill"] = {"requests": len(killed), "in_flight_at_kill": len(flight), "migrated_answers": len(moved),
                  "five_xx": sum(o.five_xx for o in killed), "garbage": sum(o.garbage for o in killed),
-                 "in_flight_with_a_stable_reference": len(stable), "identical_to_unbroken": same,
+                 "migrated_with_a_stable_reference": len(stable), "identical_to_unbroken": same,
                  "identical_share": same / len(stable) if stable else None,
                  "hazards": sum(len(o.hazards) for o in killed), "handed_off": sum(bool(o.handoff_ms) for o in killed),
                  **{k: kill_obs.get(k) for k in ("migrations", "time_to_eject_s", "time_to_rejoin_s")}}
@@ -94,9 +98,13 @@ def fleet_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> 
             t["fleet_over_direct_tok_s"], lambda x: x >= t["fleet_over_direct_tok_s"]),
          _v("kill: 5xx", k["five_xx"] if killed else None, 0, lambda x: x == 0),
          _v("kill: garbage", k["garbage"] if killed else None, 0, lambda x: x == 0),
-         _v("kill: answers in flight identical to their unbroken answer (share)", k["identical_share"], 1.0,
-            lambda x: x == 1.0, f"{same} of {len(stable)} ({len(flight) - len(stable)} in flight had no stable "
+         _v("kill: answers in flight that went on at the sibling", len(moved) if killed else None, 1,
+            lambda x: x >= 1, f"{len(moved)} of {len(flight)} in flight at the kill"),
+         _v("kill: migrated answers identical to their unbroken answer (share)", k["identical_share"], 1.0,
+            lambda x: x == 1.0, f"{same} of {len(stable)} ({len(moved) - len(stable)} migrated had no stable "
             "reference)"),
+         _v("kill: hazards and handoffs (a replica's death is not the model's)",
+            k["hazards"] + k["handed_off"] if killed else None, 0, lambda x: x == 0),
          _v("kill: time to eject, both gateways (s)", k["time_to_eject_s"], t["time_to_eject_s"],
             lambda x: x <= t["time_to_eject_s"]),
          _v("kill: time to rejoin after the restart, both gateways (s)", k["time_to_rejoin_s"], t["time_to_rejoin_s"],

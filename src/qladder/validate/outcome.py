@@ -28,6 +28,8 @@ reader needs to recompute each figure of the run's report (`qladder.validate.rec
     completion_tokens               the answer's length as the server counted it (EOS left out)
     verify_windows, verify_drafts,  verified decoding: the windows the verifying rung decided, the
     verify_kept                     INT4 drafts in them, and the drafts that stood
+    migrations                      pools of replicas: how many times the answer's stream went on
+                                    at a sibling replica after its own died (None: not reported)
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class Outcome:
     verify_windows: int | None = None
     verify_drafts: int | None = None
     verify_kept: int | None = None
+    migrations: int | None = None  # a pool of replicas: the stream went on at a sibling this many times
 
     # -- what the figures need ------------------------------------------------------------------
     @property

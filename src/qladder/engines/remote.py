@@ -9,6 +9,7 @@ in-process, continues from the same ids:
         RemoteToken(id, logprob, bytes?, top-k) ...  then one RemoteEnd
     (a non-200 answer, an error chunk, a malformed chunk or a stream cut short: RemoteStreamError;
      an unreachable server: httpx.HTTPError)
+    item = await next_item(items, limit)    the next item while limit() allows (TimeoutError past it)
 
 At start-up each rung tokenizes a set of probe texts on its server and detokenizes the ids back;
 any difference from the local vocabulary refuses the rung (TokenizerMismatchError): a handoff by
@@ -17,7 +18,8 @@ ids between mismatched tokenizers would change the text.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Sequence
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -164,3 +166,24 @@ async def check_stream_status(r: httpx.Response, server: str) -> None:
         text = (await r.aread()).decode("utf-8", "replace")[:200]
         error = RemoteTransportError if r.status_code >= 500 else RemoteStreamError
         raise error(f"{server} answered HTTP {r.status_code}: {text}")
+
+
+async def next_item(items: AsyncIterator[RemoteItem], limit: Callable[[], float]) -> RemoteItem:
+    """The stream's next item, waited for while `limit()` seconds from now allow (recomputed as
+    the wait goes on: a prefill that starts beside it extends it); TimeoutError(limit) past it."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    nxt: asyncio.Future[RemoteItem] = asyncio.ensure_future(anext(items))
+    try:
+        while True:
+            allowed = limit()
+            left = t0 + allowed + 0.05 - loop.time() if allowed < 1e9 else None
+            if left is not None and left <= 0:
+                raise TimeoutError(allowed)
+            done, _ = await asyncio.wait({nxt}, timeout=left)
+            if done:
+                return nxt.result()
+    finally:
+        if not nxt.done():  # the server is silent past its limit (or the request ended): stop waiting
+            nxt.cancel()
+            await asyncio.wait({nxt})

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -38,7 +39,7 @@ import httpx
 
 from qladder import fault_seam
 from qladder.actions import Confirm, Continue, Done, Drafted, Leave, Move, MoveTo, Verify
-from qladder.engines.remote import RemoteEnd, RemoteResumed, RemoteRung
+from qladder.engines.remote import RemoteEnd, RemoteResumed, RemoteRung, next_item
 from qladder.errors import (
     ConfigError,
     EndpointsDownError,
@@ -53,6 +54,7 @@ from qladder.machine import RequestMachine
 from qladder.sampling import SamplingParams, TokenLogprob
 from qladder.serving.aborts import AbortRegistry
 from qladder.serving.drafts import holds_windows
+from qladder.serving.prefills import PrefillLedger
 from qladder.serving.remote_verified import run_verified
 from qladder.serving.remote_visit import RemoteVisit
 from qladder.types import FinishReason, Hazard
@@ -74,6 +76,9 @@ class RemoteConfig:
     # busy with handoffs: a suspect draft released unchecked is the failure the check is for);
     # past it, or on the standby's error, the draft is released unchecked (counted in `unchecked`).
     check_timeout_s: float = 30.0
+    # The inter-token deadline owes a server's silence to the other prompts it was prefilling
+    # meanwhile, at its own measured rate (serving/prefills.py); False: the fixed gap alone.
+    prefill_allowance: bool = True
 
 
 class RemotePool:
@@ -89,6 +94,8 @@ class RemotePool:
         self.health = dict.fromkeys(self.rungs, True)
         self.steps = 0  # tokens judged
         self.stalls = 0  # deadline hazards
+        # per rung: the prompts its server is prefilling, what a stream's silence owes them (loop thread)
+        self.prefills = {j: PrefillLedger(clock, self.config.first_token_timeout_s) for j in self.rungs}
         self.prefix_hits = 0
         # answers' first tokens the standby scored (passed, refused, could not say), streamed unscored
         # (an unflagged input's draft that stayed sure to its end), or not held (a prompt over
@@ -282,83 +289,102 @@ class RemotePool:
         if visit.ended():  # what the visit released (the last rung's held tokens) ended it
             return None
         n_check = self._hold_window(visit, j)
+        ledger = self.prefills[j]
+        prefill = ledger.begin(len(m.context))
         stream = rung.stream(self._client, m.context, m.params, max(1, m.params.max_tokens - m.step))
-        async with contextlib.aclosing(stream) as items:
-            last = self.clock()
-            first = True
-            while True:
-                if self.aborts.is_aborted(m.request_id):
-                    m.finish(FinishReason.ABORT)
-                    return None
-                # With no rung above, a slow token has nowhere better to go: only a hung server
-                # (first_token_timeout_s of silence) ends the answer there.
-                patient = first or j + 1 >= len(m.rungs)
-                limit = max(deadline, self.config.first_token_timeout_s) if patient else deadline
-                try:  # the inter-token deadline, while the server is silent
-                    item = await asyncio.wait_for(anext(items), timeout=limit + 0.05) if limit < 1e9 \
-                        else await anext(items)
-                except TimeoutError:
-                    self.stalls += 1
-                    return Hazard("deadline", m.rungs[m.rung], m.step, self.clock() - last, limit,
-                                  detail=f"{rung.name} sent no token within {limit:.1f} s")
-                except StopAsyncIteration:
-                    raise RemoteStreamError(f"{rung.name}'s stream ended without an end") from None
-                if isinstance(item, RemoteResumed):  # a replica died: its sibling prefills the context
-                    m.rec.migrated()
-                    first, last = True, self.clock()
-                    continue
-                was_first = patient
-                if first:
-                    first = False
-                    self._set_healthy(j, True)
-                if isinstance(item, RemoteEnd):
-                    if m.unchecked and (refused := await self._check_draft(visit, j, final=True)) is not None:
-                        return refused
-                    m.finish(FinishReason.LENGTH if item.length else FinishReason.STOP)
-                    return None
-                now = self.clock()
-                took, last = (0.0 if was_first else now - last), now  # the TTFT, or the last rung's gap
-                self.steps += 1
-                t = item.token_id
-                expected = rung.detokenize_bytes([t]) if 0 <= t < rung.n_vocab else None
-                judged = item
-                if faults is not None:  # test machinery: the token as the request's faults make it
-                    try:  # (judged so; an accepted one still reports the server's own logprob)
-                        judged, took = faults.token(item, took, m.step, rung.n_vocab)
-                    except EngineError as exc:
-                        return self._error(m, str(exc))
-                hazard = visit.judge(judged, took, rung.n_vocab, expected)
-                if hazard is not None:
-                    if hazard.check == "deadline":
-                        self.stalls += 1
-                    return hazard
-                if visit.ended():  # what the visit released completed a stop string
-                    return None
-                if visit.check_at:  # the watched draft turned unsure: held to its end, then scored
-                    n_check, visit.check_at = visit.check_at, 0
-                lp = _logprob(item, m.params.logprobs) if m.params.logprobs is not None else None
-                action = m.accept_token(t, lp)
-                if visit.watch_until and m.step >= visit.watch_until and not m.unchecked:
-                    visit.watch_until = 0  # the draft ended sure: no longer watched
-                    self._confident(visit)
-                if isinstance(action, Done):  # a stop string in what was released (before any held window)
-                    return None
-                if m.unchecked and (isinstance(action, Confirm | MoveTo | Verify) or m.step >= n_check):
-                    final = not isinstance(action, Continue)
-                    if (refused := await self._check_draft(visit, j, final)) is not None:
-                        return refused
-                    if m.done is not None:  # the released window completed a stop string
+        try:
+            async with contextlib.aclosing(stream) as items:
+                last = self.clock()
+                first = True
+                while True:
+                    if self.aborts.is_aborted(m.request_id):
+                        m.finish(FinishReason.ABORT)
                         return None
-                    if isinstance(action, Continue):
-                        n_check = self._hold_window(visit, j)
-                    last = self.clock()  # the server kept decoding meanwhile: the gap restarts here
-                if isinstance(action, Confirm):
-                    m.finish(action.reason)
-                    return None
-                if isinstance(action, Done):
-                    return None
-                if isinstance(action, (MoveTo, Verify)):  # a policy move (not a hazard)
-                    return action
+                    # With no rung above, a slow token has nowhere better to go: only a hung server
+                    # (first_token_timeout_s of silence) ends the answer there.
+                    patient = first or j + 1 >= len(m.rungs)
+                    try:  # the inter-token deadline, while the server is silent
+                        item = await next_item(items, functools.partial(self.gap_limit, j, patient, deadline, last))
+                    except TimeoutError as exc:
+                        self.stalls += 1
+                        limit = float(exc.args[0])
+                        owed = "" if patient else f" ({max(0.0, limit - deadline):.1f} s owed to prompts prefilled)"
+                        return Hazard("deadline", m.rungs[m.rung], m.step, self.clock() - last, limit,
+                                      detail=f"{rung.name} sent no token within {limit:.1f} s{owed}")
+                    except StopAsyncIteration:
+                        raise RemoteStreamError(f"{rung.name}'s stream ended without an end") from None
+                    if isinstance(item, RemoteResumed):  # a replica died: its sibling prefills the context
+                        m.rec.migrated()
+                        ledger.end(prefill, answered=False)
+                        prefill = ledger.begin(len(m.context))
+                        first, last = True, self.clock()
+                        continue
+                    was_first = patient
+                    if first:
+                        first = False
+                        ledger.end(prefill, answered=True)
+                        self._set_healthy(j, True)
+                    if isinstance(item, RemoteEnd):
+                        if m.unchecked and (refused := await self._check_draft(visit, j, final=True)) is not None:
+                            return refused
+                        m.finish(FinishReason.LENGTH if item.length else FinishReason.STOP)
+                        return None
+                    limit = self.gap_limit(j, was_first, deadline, last)  # what this gap was allowed
+                    now = self.clock()
+                    took, last = (0.0 if was_first else now - last), now  # the TTFT, or the last rung's gap
+                    self.steps += 1
+                    t = item.token_id
+                    expected = rung.detokenize_bytes([t]) if 0 <= t < rung.n_vocab else None
+                    judged = item
+                    if faults is not None:  # test machinery: the token as the request's faults make it
+                        try:  # (judged so; an accepted one still reports the server's own logprob)
+                            judged, took = faults.token(item, took, m.step, rung.n_vocab)
+                        except EngineError as exc:
+                            return self._error(m, str(exc))
+                    hazard = visit.judge(judged, took, rung.n_vocab, expected, limit)
+                    if hazard is not None:
+                        if hazard.check == "deadline":
+                            self.stalls += 1
+                        return hazard
+                    if visit.ended():  # what the visit released completed a stop string
+                        return None
+                    if visit.check_at:  # the watched draft turned unsure: held to its end, then scored
+                        n_check, visit.check_at = visit.check_at, 0
+                    lp = _logprob(item, m.params.logprobs) if m.params.logprobs is not None else None
+                    action = m.accept_token(t, lp)
+                    if visit.watch_until and m.step >= visit.watch_until and not m.unchecked:
+                        visit.watch_until = 0  # the draft ended sure: no longer watched
+                        self._confident(visit)
+                    if isinstance(action, Done):  # a stop string in what was released (before any held window)
+                        return None
+                    if m.unchecked and (isinstance(action, Confirm | MoveTo | Verify) or m.step >= n_check):
+                        final = not isinstance(action, Continue)
+                        if (refused := await self._check_draft(visit, j, final)) is not None:
+                            return refused
+                        if m.done is not None:  # the released window completed a stop string
+                            return None
+                        if isinstance(action, Continue):
+                            n_check = self._hold_window(visit, j)
+                        last = self.clock()  # the server kept decoding meanwhile: the gap restarts here
+                    if isinstance(action, Confirm):
+                        m.finish(action.reason)
+                        return None
+                    if isinstance(action, Done):
+                        return None
+                    if isinstance(action, (MoveTo, Verify)):  # a policy move (not a hazard)
+                        return action
+        finally:  # (idempotent: a prompt answered or not, its stream is over)
+            ledger.end(prefill, answered=False)
+
+    def gap_limit(self, j: int, patient: bool, deadline: float, since: float) -> float:
+        """How long rung j's stream may be silent since `since`: a first token's wait (or any
+        token's on the last rung), else the step deadline plus what the silence owes to the
+        prompts the server was prefilling meanwhile (serving/prefills.py)."""
+        if patient:
+            return max(deadline, self.config.first_token_timeout_s)
+        if not self.config.prefill_allowance:
+            return deadline
+        return deadline + self.prefills[j].owed(since)
 
     def _hold_window(self, visit: RemoteVisit, j: int) -> int:
         """Hold the next window of this answer on rung j for the rung above to check: the answer's

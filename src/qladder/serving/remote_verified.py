@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 from typing import TYPE_CHECKING
 
 import httpx
 
 from qladder.actions import Continue, Done, Move, MoveTo
-from qladder.engines.remote import RemoteEnd, RemoteResumed
+from qladder.engines.remote import RemoteEnd, RemoteResumed, next_item
 from qladder.engines.remote_vllm import VllmRung
 from qladder.engines.replicas import Replicas
 from qladder.errors import EndpointsDownError, RemoteStreamError
@@ -109,7 +110,8 @@ async def _draft(pool: RemotePool, m: RequestMachine, n: int) -> tuple[list[int]
     """Rung 0's next `n` greedy tokens, judged; a hazard ends them (before the token it names)."""
     rung, g = pool.rungs[0], m.config.guard
     drafts: list[int] = []
-    limit = max(g.step_deadline_s, pool.config.first_token_timeout_s)
+    ledger = pool.prefills[0]  # the draft's prompt is one the server prefills; its gaps are owed others'
+    prefill, first, last = ledger.begin(len(m.context)), True, pool.clock()
     stream = rung.stream(pool.client, m.context, SamplingParams(max_tokens=n), n)
     try:
         async with contextlib.aclosing(stream) as items:
@@ -118,10 +120,11 @@ async def _draft(pool: RemotePool, m: RequestMachine, n: int) -> tuple[list[int]
                     m.finish(FinishReason.ABORT)
                     return drafts, None
                 try:
-                    item = await asyncio.wait_for(anext(items), timeout=limit + 0.05)
-                except TimeoutError:
+                    item = await next_item(items, functools.partial(pool.gap_limit, 0, first, g.step_deadline_s, last))
+                except TimeoutError as exc:
                     pool.stalls += 1
-                    return drafts, Hazard("deadline", rung.name, m.step + len(drafts), limit, limit,
+                    limit = float(exc.args[0])
+                    return drafts, Hazard("deadline", rung.name, m.step + len(drafts), pool.clock() - last, limit,
                                           detail=f"{rung.name} sent no draft token within {limit:.1f} s")
                 except StopAsyncIteration:
                     return drafts, Hazard("engine_error", rung.name, m.step + len(drafts),
@@ -129,19 +132,24 @@ async def _draft(pool: RemotePool, m: RequestMachine, n: int) -> tuple[list[int]
                 if isinstance(item, RemoteEnd):
                     return drafts, None
                 if isinstance(item, RemoteResumed):  # a replica died mid-draft: its sibling goes on, after
-                    m.rec.migrated()
-                    limit = max(g.step_deadline_s, pool.config.first_token_timeout_s)  # its queue and prefill
+                    m.rec.migrated()  # its queue and prefill, waited for as a first token's
+                    ledger.end(prefill, answered=False)
+                    prefill, first, last = ledger.begin(len(m.context) + len(drafts)), True, pool.clock()
                     continue
                 assert isinstance(item, RemoteToken)
+                if first:
+                    ledger.end(prefill, answered=True)
+                first, last = False, pool.clock()
                 t = item.token_id
                 expected = rung.detokenize_bytes([t]) if 0 <= t < rung.n_vocab else None
                 hazard = check_remote(m.guard, item, [*m.accepted, *drafts], rung.name, rung.n_vocab, expected)
                 if hazard is not None:
                     return drafts, hazard
                 drafts.append(t)
-                limit = g.step_deadline_s
     except (RemoteStreamError, httpx.HTTPError) as exc:
         if isinstance(exc, httpx.HTTPError | EndpointsDownError):
             pool.unhealthy(0)
         return drafts, Hazard("engine_error", rung.name, m.step + len(drafts), detail=f"{rung.name}: {exc!r}")
+    finally:
+        ledger.end(prefill, answered=False)
     return drafts, None

@@ -86,11 +86,13 @@ class RemoteVisit:
         property read once would not see."""
         return self.m.done is not None
 
-    def judge(self, tok: RemoteToken, took_s: float, n_vocab: int, expected_bytes: bytes | None) -> Hazard | None:
-        """The verdict on a token the rung sampled and streamed: the deadline, then check_remote."""
+    def judge(self, tok: RemoteToken, took_s: float, n_vocab: int, expected_bytes: bytes | None,
+              deadline_s: float | None = None) -> Hazard | None:
+        """The verdict on a token the rung sampled and streamed: the deadline (`deadline_s`: what
+        the pool allowed this gap; the guard's step deadline by default), then check_remote."""
         m = self.m
         name = m.rungs[m.rung]
-        deadline = m.config.guard.step_deadline_s
+        deadline = m.config.guard.step_deadline_s if deadline_s is None else deadline_s
         if took_s > deadline:
             return Hazard("deadline", name, m.step, took_s, deadline,
                           detail=f"the next token took {took_s * 1e3:.0f} ms")

@@ -1,0 +1,78 @@
+"""The prefill ledger (serving/prefills.py) on a fake clock: what a stream's silence owes to the
+prompts its server prefilled meanwhile, and what it does not."""
+
+from __future__ import annotations
+
+import pytest
+
+from qladder.serving.prefills import MARGIN, MIN_RATE_TOKENS, PrefillLedger
+
+from .fakes import Clock
+
+
+def _measured(clock: Clock, rate: float = 500.0) -> PrefillLedger:
+    """A ledger whose server prefilled one 1000-token prompt at `rate` tokens a second."""
+    ledger = PrefillLedger(clock, cap_s=30.0)
+    k = ledger.begin(1000)
+    clock.t += 1000 / rate
+    ledger.end(k, answered=True)
+    clock.t += 10.0
+    return ledger
+
+
+def test_nothing_is_owed_before_a_rate_is_measured_or_when_nothing_was_prefilled():
+    clock = Clock()
+    ledger = PrefillLedger(clock, cap_s=30.0)
+    ledger.begin(2000)
+    assert ledger.owed(clock()) == 0.0 and ledger.rate is None  # the plain deadline until measured
+    short = PrefillLedger(clock, cap_s=30.0)
+    k = short.begin(MIN_RATE_TOKENS - 1)  # too short to say the rate (the server's overhead)
+    clock.t += 1.0
+    short.end(k, answered=True)
+    assert short.rate is None
+    ledger = _measured(clock)
+    assert ledger.rate == pytest.approx(500.0) and ledger.owed(clock()) == 0.0
+
+
+def test_a_prompt_sent_during_the_silence_is_owed_its_whole_prefill():
+    clock = Clock()
+    ledger = _measured(clock)
+    since = clock()
+    clock.t += 0.5
+    k = ledger.begin(1500)  # another request's prompt joins the server's batch
+    assert ledger.owed(since) == pytest.approx(3.0 * MARGIN)  # 1500 tokens at 500/s, while it is open
+    clock.t += 3.0  # (at the same rate)
+    ledger.end(k, answered=True)
+    assert ledger.owed(since) == pytest.approx(3.0 * MARGIN)  # and after its first token, for the same silence
+    assert ledger.owed(clock()) == 0.0  # a silence that starts after it owes it nothing
+
+
+def test_only_the_part_of_a_prefill_inside_the_silence_is_owed():
+    clock = Clock()
+    ledger = _measured(clock)
+    k = ledger.begin(1000)  # 2 s at 500/s: taken to run in the last 2 s before its first token
+    clock.t += 2.0
+    since = clock() - 0.5  # the stream's last token came 0.5 s before that first token
+    ledger.end(k, answered=True)
+    assert ledger.owed(since) == pytest.approx(0.5 * MARGIN)
+    open_since = clock()
+    k2 = ledger.begin(1000)
+    clock.t += 1.5  # open for 1.5 s of its 2 s before a silence that starts now
+    assert ledger.owed(clock()) == pytest.approx(0.5 * MARGIN)
+    assert ledger.owed(open_since) == pytest.approx(2.0 * MARGIN)
+    ledger.end(k2, answered=False)  # its stream ended without a token: no rate from it
+    assert ledger.rate == pytest.approx(500.0)
+
+
+def test_what_is_owed_is_capped_and_old_prefills_are_forgotten():
+    clock = Clock()
+    ledger = PrefillLedger(clock, cap_s=4.0)
+    k = ledger.begin(1000)
+    clock.t += 2.0
+    ledger.end(k, answered=True)  # 500 tokens/s
+    since = clock()
+    for _ in range(5):
+        ledger.begin(2000)  # 4 s each
+    assert ledger.owed(since) == 4.0
+    clock.t += 500.0
+    assert ledger.pending == 5

@@ -57,6 +57,7 @@ async def run_verified(pool: RemotePool, m: RequestMachine) -> Move | None:
     m.decided_by(1, None)
     m.hold(0)
     k, stuck = K_FIRST, 0
+    cached = 0  # the context's prefix llama-server holds from the last window (its prompt cache)
     while True:
         if pool.aborts.is_aborted(m.request_id):
             m.finish(FinishReason.ABORT)
@@ -68,7 +69,7 @@ async def run_verified(pool: RemotePool, m: RequestMachine) -> Move | None:
         if room <= 0 < m.params.max_tokens - m.step - 1:  # llama-server's context is full: vLLM goes on alone
             return MoveTo(1, poisoned=False)
         n = min(k, m.params.max_tokens - m.step - 1, room)
-        drafts, hazard = await _draft(pool, m, n) if n > 0 else ([], None)
+        drafts, hazard = await _draft(pool, m, n, len(m.context) - cached) if n > 0 else ([], None)
         if m.done is not None:  # aborted while drafting
             return None
         try:
@@ -81,6 +82,7 @@ async def run_verified(pool: RemotePool, m: RequestMachine) -> Move | None:
         if hazard is not None:
             m.decided_by(1, hazard)  # recorded; the draft ended before it
         stood = next((i for i, s in enumerate(verdict.scored) if s.rank != 1), len(drafts))
+        cached = len(m.context) + stood  # the next window's context starts with these (and the slot kept them)
         own = verdict.scored[stood].best if stood < len(drafts) else verdict.next.token_id
         lp = verdict.scored[stood].logprob if stood < len(drafts) else verdict.next.logprob
         if (own is None or not 0 <= own < verifier.n_vocab
@@ -106,12 +108,13 @@ async def run_verified(pool: RemotePool, m: RequestMachine) -> Move | None:
         k = min(K_MAX, 2 * k) if drafts and stood == len(drafts) else max(K_MIN, k // 2)
 
 
-async def _draft(pool: RemotePool, m: RequestMachine, n: int) -> tuple[list[int], Hazard | None]:
-    """Rung 0's next `n` greedy tokens, judged; a hazard ends them (before the token it names)."""
+async def _draft(pool: RemotePool, m: RequestMachine, n: int, new: int) -> tuple[list[int], Hazard | None]:
+    """Rung 0's next `n` greedy tokens, judged; a hazard ends them (before the token it names).
+    `new`: the context's tokens the server has not cached (what it prefills: the prefill ledger's)."""
     rung, g = pool.rungs[0], m.config.guard
     drafts: list[int] = []
     ledger = pool.prefills[0]  # the draft's prompt is one the server prefills; its gaps are owed others'
-    prefill, first, last = ledger.begin(len(m.context)), True, pool.clock()
+    prefill, first, last = ledger.begin(new), True, pool.clock()
     stream = rung.stream(pool.client, m.context, SamplingParams(max_tokens=n), n)
     try:
         async with contextlib.aclosing(stream) as items:

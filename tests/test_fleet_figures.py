@@ -29,7 +29,7 @@ def _status(f: dict[str, Any], starts: str) -> str:
 
 
 def test_a_migrated_answer_equal_to_the_unbroken_one_passes():
-    f = _run([_o("fleet-a", "kill", 99, 101, REF, migrations=1), _o("fleet-b", "kill", 99, 101, REF)])
+    f = _run([_o("fleet-a", "kill", 99, 101, REF, migrations=1), _o("fleet-b", "kill", 99, 101, REF, migrations=0)])
     assert f["kill"]["migrated_answers"] == 1 and f["kill"]["identical_share"] == 1.0
     assert _status(f, "kill: migrated answers identical") == "pass"
     assert _status(f, "kill: answers in flight that went on") == "pass"
@@ -38,13 +38,13 @@ def test_a_migrated_answer_equal_to_the_unbroken_one_passes():
 
 def test_a_migrated_answer_that_differs_fails_even_when_the_others_are_equal():
     f = _run([_o("fleet-a", "kill", 99, 101, [5, 6, 9, 9], migrations=1)]
-             + [_o("fleet-b", "kill", 99, 101, REF) for _ in range(5)])  # unmigrated, equal: not counted
+             + [_o("fleet-b", "kill", 99, 101, REF, migrations=0) for _ in range(5)])  # unmigrated, equal: not counted
     assert f["kill"]["identical_share"] == 0.0
     assert _status(f, "kill: migrated answers identical") == "fail"
 
 
 def test_no_answer_migrated_proves_nothing_and_fails():
-    f = _run([_o("fleet-b", "kill", 99, 101, REF) for _ in range(4)])
+    f = _run([_o("fleet-b", "kill", 99, 101, REF, migrations=0) for _ in range(4)])
     assert f["kill"]["in_flight_at_kill"] == 4 and f["kill"]["migrated_answers"] == 0
     assert _status(f, "kill: answers in flight that went on") == "fail"
     assert _status(f, "kill: migrated answers identical") != "pass"

@@ -76,3 +76,25 @@ def test_what_is_owed_is_capped_and_old_prefills_are_forgotten():
     assert ledger.owed(since) == 4.0
     clock.t += 500.0
     assert ledger.pending == 5
+
+
+def test_a_hung_server_owes_nothing_to_prompts_it_never_answers():
+    """Prompts that keep arriving at a server that hangs stop counting once overdue: a stream's
+    silence there meets the plain deadline again, not the cap."""
+    clock = Clock()
+    ledger = _measured(clock)  # 500 tokens/s
+    since = clock()
+    ledger.begin(500)  # 1 s expected
+    clock.t += 2.0  # past 1.5 x its expected time, still no first token
+    assert ledger.owed(since) == 0.0
+
+
+def test_a_cached_prompt_answered_at_once_is_owed_only_its_own_short_life():
+    clock = Clock()
+    ledger = _measured(clock)
+    since = clock()
+    clock.t += 5.0
+    k = ledger.begin(2000)  # 4 s at the rate, but the server's prompt cache answers it in 0.1 s
+    clock.t += 0.1
+    ledger.end(k, answered=False)
+    assert ledger.owed(since) == pytest.approx(0.1 * MARGIN)

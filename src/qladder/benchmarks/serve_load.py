@@ -141,7 +141,7 @@ async def _one(h: httpx.AsyncClient, url: str, body: dict[str, Any], o: Outcome,
         o.fallback = bool(ext.get("fallback"))
         o.hazards = [h["check"] for h in ext.get("hazards", [])]
         o.handoff_ms = [float(h["latency_ms"]) for h in ext.get("handoffs", [])]
-        o.migrations = int(ext.get("timings", {}).get("migrations", 0))
+        o.migrations = int(ext.get("timings", {}).get("migrations", 0)) if "timings" in ext else None
     return o
 
 

@@ -88,10 +88,12 @@ class PrefillLedger:
         now, total = self.clock(), 0.0
         for p in self._open.values():  # being prefilled now (or queued): its whole time, from when it was sent on
             d = p.n / rate
+            if now > p.start + MARGIN * d:  # overdue: a server that hangs owes nothing to what it never answers
+                continue
             total += max(0.0, min(d, p.start + d - since)) if p.start < since else d
         for p in self._done:
             if p.end is None or p.end <= since:
                 continue
             d = p.n / rate
-            total += max(0.0, min(p.end, now) - max(p.end - d, since))
+            total += max(0.0, min(p.end, now) - max(p.end - d, p.start, since))
         return min(self.cap_s, MARGIN * total)

@@ -68,7 +68,8 @@ def fleet_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> 
     killed = [o for o in outs if o.phase == "kill"]
     flight = [o for o in killed if kill_at is not None and o.start_s is not None and o.end_s is not None
               and o.start_s < kill_at < o.end_s]
-    moved = [o for o in flight if o.migrations]
+    reported = any(o.migrations is not None for o in flight)  # (runs before 727cccd did not record it)
+    moved = [o for o in flight if o.migrations] if reported else flight
     stable = [o for o in moved if len(answers.get(o.prompt_id, ())) == 1]
     same = sum(1 for o in stable if (tuple(o.token_ids),) == tuple(answers[o.prompt_id]))
     f["kill"] = {"requests": len(killed), "in_flight_at_kill": len(flight), "migrated_answers": len(moved),
@@ -98,7 +99,7 @@ def fleet_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> 
             t["fleet_over_direct_tok_s"], lambda x: x >= t["fleet_over_direct_tok_s"]),
          _v("kill: 5xx", k["five_xx"] if killed else None, 0, lambda x: x == 0),
          _v("kill: garbage", k["garbage"] if killed else None, 0, lambda x: x == 0),
-         _v("kill: answers in flight that went on at the sibling", len(moved) if killed else None, 1,
+         _v("kill: answers in flight that went on at the sibling", len(moved) if killed and reported else None, 1,
             lambda x: x >= 1, f"{len(moved)} of {len(flight)} in flight at the kill"),
          _v("kill: migrated answers identical to their unbroken answer (share)", k["identical_share"], 1.0,
             lambda x: x == 1.0, f"{same} of {len(stable)} ({len(moved) - len(stable)} migrated had no stable "

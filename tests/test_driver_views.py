@@ -1,7 +1,7 @@
 """The request machine's drivers keep to its declared view (`machine.DRIVER_VIEW`): every use of
 a machine in a driver's source names an attribute on that list, and none writes through it (no
-assignment or del, no setattr, no method call on one of its fields but the Recorder's three that
-a driver may make, `m.rec.prefill`, `m.rec.flush`, `m.rec.verified`, and the shared guard's loop
+assignment or del, no setattr, no method call on one of its fields but the Recorder's four that
+a driver may make, `m.rec.prefill`, `m.rec.flush`, `m.rec.verified`, `m.rec.migrated`, and the shared guard's loop
 rule, `m.guard.check_repetition`, a pure function of its arguments). A machine is what the drivers name it: `m`,
 or the `.m` of a slot, a task or a visit. (The type checker sees the fields; this holds the
 drivers to the few a driver may touch.)"""
@@ -36,7 +36,8 @@ def _root_use(node: ast.expr) -> ast.Attribute | None:
     return None
 
 
-FIELD_CALLS = {("rec", "prefill"), ("rec", "flush"), ("rec", "verified"), ("guard", "check_repetition")}
+FIELD_CALLS = {("rec", "prefill"), ("rec", "flush"), ("rec", "verified"), ("rec", "migrated"),
+               ("guard", "check_repetition")}
 
 
 def _chain(node: ast.expr) -> list[str] | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -35,6 +36,28 @@ def _wait(cond, what: str, timeout_s: float = 60.0) -> float:
     return time.monotonic() - t0
 
 
+def _two_streams_then(se: ServingEngine, rung: Replicas, ids: list[int], params: SamplingParams, after: int,
+                      kill: Callable[[], None], join_s: float) -> list:
+    """Two requests of `ids` at once, one streaming on each replica; `after` tokens later `kill`
+    runs (mid-stream). Their results, once both threads are done."""
+    results: list = [None, None]
+
+    def run(k: int) -> None:
+        results[k] = se.generate_sync(se.request(ids, params))
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    _wait(lambda: rung.inflight == [1, 1], "one stream on each replica")
+    steps = se.scheduler.steps
+    _wait(lambda: se.scheduler.steps >= steps + after, f"{after} more tokens")
+    kill()
+    for t in threads:
+        t.join(join_s)
+        assert not t.is_alive(), f"a request still running {join_s:.0f} s after the kill"
+    return results
+
+
 def test_a_replica_killed_mid_stream_its_answers_go_on_at_the_sibling_token_identical(model_info):
     servers = [LlamaServer(model_info.path, n_parallel=2, threads=1, n_ctx_per_slot=1024).start() for _ in range(2)]
     se = ServingEngine(ServingConfig(remote_url=tuple(s.base_url for s in servers)),
@@ -46,20 +69,7 @@ def test_a_replica_killed_mid_stream_its_answers_go_on_at_the_sibling_token_iden
         params = SamplingParams(max_tokens=64)
         unbroken = se.generate_sync(se.request(ids, params))  # the reference: no server dies
         assert unbroken.hazards == [] and len(unbroken.token_ids) == 64
-        results: list = [None, None]
-
-        def run(k: int) -> None:
-            results[k] = se.generate_sync(se.request(ids, params))
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
-        for t in threads:
-            t.start()
-        _wait(lambda: rung.inflight == [1, 1], "one stream on each replica")
-        steps = se.scheduler.steps
-        _wait(lambda: se.scheduler.steps >= steps + 16, "16 more tokens")
-        servers[0].proc.kill()  # SIGKILL, mid-stream
-        for t in threads:
-            t.join(180)
+        results = _two_streams_then(se, rung, ids, params, 16, servers[0].proc.kill, 180)  # SIGKILL, mid-stream
         assert rung.healthy == [False, True] and rung.migrations == 1 and rung.ejections == 1
         assert sorted(r.timings.get("migrations", 0) for r in results) == [0, 1]  # the answer says it moved
         for r in results:
@@ -148,21 +158,11 @@ def test_every_replica_killed_mid_stream_the_answers_climb_and_the_rung_is_down_
         rung = se.int4
         assert isinstance(rung, Replicas)
         ids = user_prompt_ids(se.info.chat_template, PROMPT, rung.tokenize)
-        results: list = [None, None]
+        def kill_both() -> None:
+            for s in servers:
+                s.proc.kill()
 
-        def run(k: int) -> None:
-            results[k] = se.generate_sync(se.request(ids, SamplingParams(max_tokens=48, ignore_eos=True)))
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
-        for t in threads:
-            t.start()
-        _wait(lambda: rung.inflight == [1, 1], "one stream on each replica")
-        steps = se.scheduler.steps
-        _wait(lambda: se.scheduler.steps >= steps + 8, "8 more tokens")
-        for s in servers:
-            s.proc.kill()
-        for t in threads:
-            t.join(300)
+        results = _two_streams_then(se, rung, ids, SamplingParams(max_tokens=48, ignore_eos=True), 8, kill_both, 300)
         for r in results:
             assert r is not None and not r.fallback and len(r.token_ids) == 48, (r.hazards, r.handoffs)
             assert r.hazards[0].check == "engine_error" and r.token_rungs[-1] == "fp32"

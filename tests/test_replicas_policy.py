@@ -33,10 +33,14 @@ class FakeEndpoint:
     def __init__(self, url: str, fail_after: int | None = None, up: bool = True):
         self.base_url, self.fail_after, self.up = url, fail_after, up
         self.streams = self.calls = self.health_checks = 0
+        self.revives: FakeEndpoint | None = None
 
     async def stream(self, client: httpx.AsyncClient, ids: list[int], params: SamplingParams,
                      n: int) -> AsyncGenerator[RemoteToken | RemoteEnd, None]:
         self.streams += 1
+        if self.revives is not None:
+            self.revives.up = True
+            await asyncio.sleep(0.2)  # (its probe runs every 0.01 s)
         ctx = list(ids)
         for i in range(n):
             if self.fail_after is not None and i >= self.fail_after:
@@ -149,3 +153,15 @@ def test_score_and_verify_go_on_at_a_sibling_when_a_replica_dies():
     scored, verdict = asyncio.run(go(r))
     assert [s.rank for s in scored] == [1, 1] and verdict is None
     assert (r.healthy, r.ejections) == ([False, True], 1)
+
+
+
+def test_a_stream_that_lost_every_replica_while_one_rejoined_fails_the_request_not_the_rung():
+    a = FakeEndpoint("http://a", fail_after=2, up=False)
+    b = FakeEndpoint("http://b", fail_after=4, up=False)
+    b.revives = a  # as b's stream starts, a answers its /health again (and its probe sees it)
+    r = replicas(a, b)
+    with pytest.raises(RemoteTransportError) as err:
+        asyncio.run(collect(r, 12))
+    assert not isinstance(err.value, EndpointsDownError) and "lost 2 replicas in a row" in str(err.value)
+    assert (r.healthy, r.migrations, r.ejections, r.rejoins) == ([True, False], 1, 2, 1)

@@ -115,3 +115,20 @@ class RemoteTransportError(RemoteStreamError):
 class EndpointsDownError(RemoteTransportError):
     """Every replica of a remote rung is out of rotation: the rung is down (its pool probes it)
     until one of them answers its `/health`."""
+
+
+class StreamSilentError(QladderError):
+    """A remote stream sent nothing within its allowed gap (`limit` seconds): the caller's
+    deadline hazard, never another timeout's."""
+
+    def __init__(self, limit: float):
+        super().__init__(f"no item within {limit:.1f} s")
+        self.limit = limit
+
+
+def server_down(exc: BaseException) -> bool:
+    """Whether a remote call's failure (caught as RemoteStreamError, a transport error or a
+    timeout) says the server is down, not that it failed this request: unreachable, hung, or
+    every replica out. A down rung is probed until it answers; a request's failure is that
+    request's alone."""
+    return not isinstance(exc, RemoteStreamError) or isinstance(exc, EndpointsDownError)

@@ -9,7 +9,7 @@ in-process, continues from the same ids:
         RemoteToken(id, logprob, bytes?, top-k) ...  then one RemoteEnd
     (a non-200 answer, an error chunk, a malformed chunk or a stream cut short: RemoteStreamError;
      an unreachable server: httpx.HTTPError)
-    item = await next_item(items, limit)    the next item while limit() allows (TimeoutError past it)
+    item = await next_item(items, limit)    the next item while limit() allows (StreamSilentError past it)
 
 At start-up each rung tokenizes a set of probe texts on its server and detokenizes the ids back;
 any difference from the local vocabulary refuses the rung (TokenizerMismatchError): a handoff by
@@ -26,7 +26,13 @@ from typing import Any, Protocol
 import httpx
 
 from qladder.engines.llamacpp import LlamaVocab
-from qladder.errors import EngineError, RemoteStreamError, RemoteTransportError, TokenizerMismatchError
+from qladder.errors import (
+    EngineError,
+    RemoteStreamError,
+    RemoteTransportError,
+    StreamSilentError,
+    TokenizerMismatchError,
+)
 from qladder.health.remote import RemoteToken, Scored
 from qladder.model import ModelInfo
 from qladder.sampling import SamplingParams
@@ -170,7 +176,7 @@ async def check_stream_status(r: httpx.Response, server: str) -> None:
 
 async def next_item(items: AsyncIterator[RemoteItem], limit: Callable[[], float]) -> RemoteItem:
     """The stream's next item, waited for while `limit()` seconds from now allow (recomputed as
-    the wait goes on: a prefill that starts beside it extends it); TimeoutError(limit) past it."""
+    the wait goes on: a prefill that starts beside it extends it); StreamSilentError past it."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     nxt: asyncio.Future[RemoteItem] = asyncio.ensure_future(anext(items))
@@ -179,7 +185,7 @@ async def next_item(items: AsyncIterator[RemoteItem], limit: Callable[[], float]
             allowed = limit()
             left = t0 + allowed + 0.05 - loop.time() if allowed < 1e9 else None
             if left is not None and left <= 0:
-                raise TimeoutError(allowed)
+                raise StreamSilentError(allowed)
             done, _ = await asyncio.wait({nxt}, timeout=left)
             if done:
                 return nxt.result()

@@ -131,6 +131,9 @@ class Replicas:
             while not self.healthy[k]:
                 await asyncio.sleep(self.probe_every_s)
                 if await self.endpoints[k].alive(client):
+                    # this probe is over before its client closes: an ejection meanwhile starts another
+                    if self._probes.get(k) is asyncio.current_task():
+                        del self._probes[k]
                     self._rejoin(k)
 
     async def alive(self, client: httpx.AsyncClient) -> bool:
@@ -165,9 +168,10 @@ class Replicas:
                      n_remaining: int) -> AsyncGenerator[RemoteItem, None]:
         answered: list[int] = []  # the ids yielded so far (the pool accepted each before asking for more)
         for attempt in range(len(self.endpoints)):  # at most one migration per endpoint ejected
-            if attempt:  # the pool waits for the sibling's first token as for any first token
-                yield RemoteResumed()
             k = self._next()
+            if attempt:  # the pool waits for the sibling's first token as for any first token
+                self.migrations += 1  # the same answer goes on at a sibling, from the ids it has
+                yield RemoteResumed()
             self.inflight[k] += 1
             try:
                 stream = self.endpoints[k].stream(client, ids + answered, params,
@@ -182,10 +186,9 @@ class Replicas:
                 return
             except (httpx.TransportError, RemoteTransportError) as exc:
                 await self._servers_fault(client, k, exc)
-                self.migrations += 1  # the same answer goes on at a sibling, from the ids it has
             finally:
                 self.inflight[k] -= 1
-        raise EndpointsDownError(f"a {self.name} stream lost {len(self.endpoints)} replicas in a row ({self.base_url})")
+        raise self._lost("stream")
 
     async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[Scored]:
         """Score on a healthy endpoint; a server's failure tries the next one."""
@@ -210,7 +213,13 @@ class Replicas:
                 await self._servers_fault(client, k, exc)
             finally:
                 self.inflight[k] -= 1
-        raise EndpointsDownError(f"a {self.name} call lost {len(self.endpoints)} replicas in a row ({self.base_url})")
+        raise self._lost("call")
+
+    def _lost(self, what: str) -> RemoteStreamError:
+        """A stream or call that lost as many replicas in a row as the rung has: the rung is down
+        if none is left in rotation; else (one rejoined meanwhile) this request failed, not the rung."""
+        error = RemoteTransportError if any(self.healthy) else EndpointsDownError
+        return error(f"a {self.name} {what} lost {len(self.endpoints)} replicas in a row ({self.base_url})")
 
     def close(self) -> None:  # (the probes are tasks of the pool's loop: its close cancels them)
         for e in self.endpoints:

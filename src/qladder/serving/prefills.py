@@ -57,6 +57,11 @@ class PrefillLedger:
         self._open[self._keys] = _Prefill(self.clock(), n_tokens)
         return self._keys
 
+    def sent(self, n_tokens: int) -> SentPrompt:
+        """A stream's prompt of `n_tokens` was sent to the server: its handle (answered, re-sent
+        to a sibling replica, closed)."""
+        return SentPrompt(self, n_tokens)
+
     def end(self, key: int, answered: bool) -> None:
         """The prompt's first token came (`answered`: its time measures the rate), or its stream
         ended without one (its prefill, if any, is still counted where it overlaps). Idempotent."""
@@ -91,9 +96,37 @@ class PrefillLedger:
             if now > p.start + MARGIN * d:  # overdue: a server that hangs owes nothing to what it never answers
                 continue
             total += max(0.0, min(d, p.start + d - since)) if p.start < since else d
-        for p in self._done:
+        for p in reversed(self._done):  # (in the order they ended: the newest first, back to `since`)
             if p.end is None or p.end <= since:
-                continue
+                break
             d = p.n / rate
             total += max(0.0, min(p.end, now) - max(p.end - d, p.start, since))
         return min(self.cap_s, MARGIN * total)
+
+
+class SentPrompt:
+    """One stream's prompt on its rung's ledger, as the stream goes: waiting for its first token,
+    answered, re-sent (a replica died: its sibling prefills the context), closed. The one owner
+    is the stream's task; `close` is idempotent (a stream ends however it ends)."""
+
+    def __init__(self, ledger: PrefillLedger, n_tokens: int):
+        self.ledger = ledger
+        self.key = ledger.begin(n_tokens)
+        self.waiting = True  # no token yet on this prompt (its wait is a first token's)
+
+    def answered(self) -> bool:
+        """A token came; True if it is the prompt's first (its wait measured the rate)."""
+        if not self.waiting:
+            return False
+        self.waiting = False
+        self.ledger.end(self.key, answered=True)
+        return True
+
+    def resent(self, n_tokens: int) -> None:
+        """The stream goes on at another server of the rung, which prefills `n_tokens` anew."""
+        self.ledger.end(self.key, answered=False)
+        self.key = self.ledger.begin(n_tokens)
+        self.waiting = True
+
+    def close(self) -> None:
+        self.ledger.end(self.key, answered=False)

@@ -47,6 +47,8 @@ from qladder.errors import (
     EngineError,
     QueueFullError,
     RemoteStreamError,
+    StreamSilentError,
+    server_down,
 )
 from qladder.health.drift import check_drift
 from qladder.health.remote import RemoteToken, check_draft
@@ -289,25 +291,23 @@ class RemotePool:
         if visit.ended():  # what the visit released (the last rung's held tokens) ended it
             return None
         n_check = self._hold_window(visit, j)
-        ledger = self.prefills[j]
-        prefill = ledger.begin(len(m.context))
+        prompt = self.prefills[j].sent(len(m.context))
         stream = rung.stream(self._client, m.context, m.params, max(1, m.params.max_tokens - m.step))
         try:
             async with contextlib.aclosing(stream) as items:
                 last = self.clock()
-                first = True
                 while True:
                     if self.aborts.is_aborted(m.request_id):
                         m.finish(FinishReason.ABORT)
                         return None
                     # With no rung above, a slow token has nowhere better to go: only a hung server
                     # (first_token_timeout_s of silence) ends the answer there.
-                    patient = first or j + 1 >= len(m.rungs)
+                    patient = prompt.waiting or j + 1 >= len(m.rungs)
                     try:  # the inter-token deadline, while the server is silent
                         item = await next_item(items, functools.partial(self.gap_limit, j, patient, deadline, last))
-                    except TimeoutError as exc:
+                    except StreamSilentError as exc:
                         self.stalls += 1
-                        limit = float(exc.args[0])
+                        limit = exc.limit
                         owed = "" if patient else f" ({max(0.0, limit - deadline):.1f} s owed to prompts prefilled)"
                         return Hazard("deadline", m.rungs[m.rung], m.step, self.clock() - last, limit,
                                       detail=f"{rung.name} sent no token within {limit:.1f} s{owed}")
@@ -315,14 +315,11 @@ class RemotePool:
                         raise RemoteStreamError(f"{rung.name}'s stream ended without an end") from None
                     if isinstance(item, RemoteResumed):  # a replica died: its sibling prefills the context
                         m.rec.migrated()
-                        ledger.end(prefill, answered=False)
-                        prefill = ledger.begin(len(m.context))
-                        first, last = True, self.clock()
+                        prompt.resent(len(m.context))
+                        last = self.clock()
                         continue
                     was_first = patient
-                    if first:
-                        first = False
-                        ledger.end(prefill, answered=True)
+                    if prompt.answered():
                         self._set_healthy(j, True)
                     if isinstance(item, RemoteEnd):
                         if m.unchecked and (refused := await self._check_draft(visit, j, final=True)) is not None:
@@ -373,8 +370,8 @@ class RemotePool:
                         return None
                     if isinstance(action, (MoveTo, Verify)):  # a policy move (not a hazard)
                         return action
-        finally:  # (idempotent: a prompt answered or not, its stream is over)
-            ledger.end(prefill, answered=False)
+        finally:  # (a prompt answered or not, its stream is over)
+            prompt.close()
 
     def gap_limit(self, j: int, patient: bool, deadline: float, since: float) -> float:
         """How long rung j's stream may be silent since `since`: a first token's wait (or any
@@ -433,8 +430,7 @@ class RemotePool:
         except (RemoteStreamError, httpx.HTTPError, TimeoutError) as exc:
             _log.warning("request %s: %s could not check its draft (%r); released unchecked",
                          m.request_id, above.name, exc)
-            if not isinstance(exc, RemoteStreamError) or isinstance(exc, EndpointsDownError):
-                # unreachable or hung: no more windows until it answers
+            if server_down(exc):  # no more windows until it answers
                 self.unhealthy(j + 1)
             self.checks["unchecked"] += 1
             visit.draft_checked([])

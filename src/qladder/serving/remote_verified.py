@@ -36,7 +36,7 @@ from qladder.actions import Continue, Done, Move, MoveTo
 from qladder.engines.remote import RemoteEnd, RemoteResumed, next_item
 from qladder.engines.remote_vllm import VllmRung
 from qladder.engines.replicas import Replicas
-from qladder.errors import EndpointsDownError, RemoteStreamError
+from qladder.errors import RemoteStreamError, StreamSilentError, server_down
 from qladder.health.remote import RemoteToken, check_remote
 from qladder.machine import RequestMachine
 from qladder.sampling import SamplingParams
@@ -75,7 +75,7 @@ async def run_verified(pool: RemotePool, m: RequestMachine) -> Move | None:
         try:
             verdict = await asyncio.wait_for(verifier.verify(client, m.context, drafts), pool.config.check_timeout_s)
         except (RemoteStreamError, httpx.HTTPError, TimeoutError) as exc:
-            if not isinstance(exc, RemoteStreamError) or isinstance(exc, EndpointsDownError):
+            if server_down(exc):
                 pool.unhealthy(1)
             return m.on_hazard(Hazard("engine_error", m.rungs[1], m.step, detail=f"vLLM could not verify: {exc!r}"),
                                None)
@@ -113,8 +113,8 @@ async def _draft(pool: RemotePool, m: RequestMachine, n: int, new: int) -> tuple
     `new`: the context's tokens the server has not cached (what it prefills: the prefill ledger's)."""
     rung, g = pool.rungs[0], m.config.guard
     drafts: list[int] = []
-    ledger = pool.prefills[0]  # the draft's prompt is one the server prefills; its gaps are owed others'
-    prefill, first, last = ledger.begin(new), True, pool.clock()
+    prompt = pool.prefills[0].sent(new)  # the draft's prompt is one the server prefills; its gaps are owed others'
+    last = pool.clock()
     stream = rung.stream(pool.client, m.context, SamplingParams(max_tokens=n), n)
     try:
         async with contextlib.aclosing(stream) as items:
@@ -123,12 +123,12 @@ async def _draft(pool: RemotePool, m: RequestMachine, n: int, new: int) -> tuple
                     m.finish(FinishReason.ABORT)
                     return drafts, None
                 try:
-                    item = await next_item(items, functools.partial(pool.gap_limit, 0, first, g.step_deadline_s, last))
-                except TimeoutError as exc:
+                    item = await next_item(items, functools.partial(pool.gap_limit, 0, prompt.waiting,
+                                                                    g.step_deadline_s, last))
+                except StreamSilentError as exc:
                     pool.stalls += 1
-                    limit = float(exc.args[0])
-                    return drafts, Hazard("deadline", rung.name, m.step + len(drafts), pool.clock() - last, limit,
-                                          detail=f"{rung.name} sent no draft token within {limit:.1f} s")
+                    return drafts, Hazard("deadline", rung.name, m.step + len(drafts), pool.clock() - last,
+                                          exc.limit, detail=f"{rung.name} sent no draft token within {exc.limit:.1f} s")
                 except StopAsyncIteration:
                     return drafts, Hazard("engine_error", rung.name, m.step + len(drafts),
                                           detail=f"{rung.name}'s stream ended without an end")
@@ -136,13 +136,12 @@ async def _draft(pool: RemotePool, m: RequestMachine, n: int, new: int) -> tuple
                     return drafts, None
                 if isinstance(item, RemoteResumed):  # a replica died mid-draft: its sibling goes on, after
                     m.rec.migrated()  # its queue and prefill, waited for as a first token's
-                    ledger.end(prefill, answered=False)
-                    prefill, first, last = ledger.begin(len(m.context) + len(drafts)), True, pool.clock()
+                    prompt.resent(len(m.context) + len(drafts))
+                    last = pool.clock()
                     continue
                 assert isinstance(item, RemoteToken)
-                if first:
-                    ledger.end(prefill, answered=True)
-                first, last = False, pool.clock()
+                prompt.answered()
+                last = pool.clock()
                 t = item.token_id
                 expected = rung.detokenize_bytes([t]) if 0 <= t < rung.n_vocab else None
                 hazard = check_remote(m.guard, item, [*m.accepted, *drafts], rung.name, rung.n_vocab, expected)
@@ -150,9 +149,9 @@ async def _draft(pool: RemotePool, m: RequestMachine, n: int, new: int) -> tuple
                     return drafts, hazard
                 drafts.append(t)
     except (RemoteStreamError, httpx.HTTPError) as exc:
-        if isinstance(exc, httpx.HTTPError | EndpointsDownError):
+        if server_down(exc):
             pool.unhealthy(0)
         return drafts, Hazard("engine_error", rung.name, m.step + len(drafts), detail=f"{rung.name}: {exc!r}")
     finally:
-        ledger.end(prefill, answered=False)
+        prompt.close()
     return drafts, None

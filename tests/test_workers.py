@@ -101,3 +101,59 @@ weight = 1.0
     assert r.returncode != 0 and "a gateway worker could not start" in r.stderr, r.stderr[-2000:]
     assert r.stderr.count("Child process") <= 2, r.stderr[-2000:]  # each worker tried once, none restarted
     print(f"stopped {time.monotonic() - t0:.1f} s after the start")
+
+
+def _wait_for(cond, what: str, timeout_s: float) -> None:
+    import time
+
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, f"waited {timeout_s:.0f} s for {what}"
+        time.sleep(0.2)
+
+
+def test_a_worker_restarted_while_its_peer_is_down_tries_again_and_the_gateway_keeps_serving(model_info, tmp_path):
+    """A worker dies while the llama-server is down: uvicorn restarts it, and it cannot build its
+    server. It must not end the gateway (STARTUP_FAILURE would stop every worker): it tries again,
+    backing off, and serves once the peer is back; the command never stopped."""
+    import httpx
+
+    llama = LlamaServer(model_info.path, n_parallel=2, threads=1, n_ctx_per_slot=1024).start()
+    config = tmp_path / "fleet.toml"
+    config.write_text(f"""
+[[pools]]
+name = "edge"
+rungs = ["llama-server"]
+urls = ["{llama.base_url}"]
+slots = 2
+weight = 1.0
+""")
+    log = tmp_path / "serve.log"
+    proc, base = start_qladder_serve(config, log, args=["--workers", "2"])
+
+    def text() -> str:
+        return log.read_text(errors="replace")
+
+    try:
+        _wait_for(lambda: text().count("Application startup complete") >= 2, "both workers to start", 120)
+        workers = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(workers) == 2
+        port = llama.port
+        llama.stop()
+        workers[0].kill()  # dies while its peer is down: uvicorn restarts it, and it cannot build
+        _wait_for(lambda: "this restarted gateway worker could not start" in text(), "the restarted worker's retry", 60)
+        assert proc.poll() is None, text()[-3000:]  # the gateway still runs
+        llama = LlamaServer(model_info.path, n_parallel=2, threads=1, n_ctx_per_slot=1024, port=port).start()
+        _wait_for(lambda: text().count("Application startup complete") >= 3, "the restarted worker to start", 120)
+        for k in range(4):  # both workers answer (the kernel spreads the connections)
+            with httpx.Client(timeout=120) as client:
+                r = client.post(f"{base}/v1/chat/completions", json={
+                    "model": "smollm2-135m-instruct", "max_tokens": 4, "temperature": 0,
+                    "messages": [{"role": "user", "content": f"Name a color. ({k})"}]})
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        stop(proc)
+        llama.stop()
+    assert "a gateway worker could not start" not in text()

@@ -182,6 +182,8 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: st
 
 WORKER_ENV = "QLADDER_SERVE_WORKER"  # the folder (0700) where each worker reads what it builds
 _TOPOLOGY, _FAILED = "topology.pickle", "failed.txt"  # the topology and keys (0600); a worker's start-up failure
+_STARTED = "started"  # written by the first worker that built its server: the gateway serves
+MAX_RESTART_WAIT_S = 30.0  # a restarted worker that cannot build tries again, backing off to this
 
 
 def check_workers(t: Topology, workers: int) -> str | None:
@@ -209,7 +211,8 @@ def run_workers(t: Topology, api_keys: Sequence[str], workers: int, host: str = 
     can read (never the environment, which `ps e` shows). A worker that cannot build its server
     (a server unreachable at start, a tokenizer refused) exits with uvicorn's STARTUP_FAILURE: the
     supervisor stops every worker, and this raises QladderError with the worker's reason (no
-    restart loop, no exit 0). SIGTERM: each worker stops accepting, finishes its open answers for
+    restart loop, no exit 0); a worker restarted later that cannot build retries (`worker_app`).
+    SIGTERM: each worker stops accepting, finishes its open answers for
     up to drain_timeout_s, then closes."""
     import os
     import pickle
@@ -241,23 +244,37 @@ def run_workers(t: Topology, api_keys: Sequence[str], workers: int, host: str = 
 def worker_app() -> Any:
     """One worker's ASGI app (uvicorn's factory, in the worker's process): the server built from
     the parent's topology, closed when uvicorn shuts the worker down (the lifespan's end). A
-    failure to build it is written for the parent and ends the worker with STARTUP_FAILURE."""
+    failure to build it while the gateway starts is written for the parent and ends the worker
+    with STARTUP_FAILURE (the command fails); once any worker has served, a worker uvicorn
+    restarted (one that died) that cannot build tries again, backing off, and its siblings serve
+    meanwhile: a peer down at that moment must not stop the whole gateway."""
     import os
     import pickle
     import sys
+    import time
 
     from uvicorn.config import STARTUP_FAILURE
 
     folder = Path(os.environ[WORKER_ENV])
-    with open(folder / _TOPOLOGY, "rb") as f:  # written by run_workers, this user's alone
-        t, keys = pickle.load(f)
-    try:
-        server = build_server(t, api_keys=keys)
-    except Exception as exc:
-        _log.error("this gateway worker could not start: %s", exc)
-        with contextlib.suppress(OSError), open(folder / _FAILED, "a") as out:
-            out.write(f"{exc}\n")
-        sys.exit(STARTUP_FAILURE)
+    wait = 1.0
+    while True:
+        try:
+            with open(folder / _TOPOLOGY, "rb") as f:  # written by run_workers, this user's alone
+                t, keys = pickle.load(f)
+            server = build_server(t, api_keys=keys)
+            break
+        except Exception as exc:
+            if not (folder / _STARTED).exists():  # the gateway's start: the command fails with the reason
+                _log.error("this gateway worker could not start: %s", exc)
+                with contextlib.suppress(OSError), open(folder / _FAILED, "a") as out:
+                    out.write(f"{exc}\n")
+                sys.exit(STARTUP_FAILURE)
+            # A worker uvicorn restarted while its siblings serve (a peer down at that moment): it
+            # must not stop the gateway (STARTUP_FAILURE would); it tries again until it builds.
+            _log.error("this restarted gateway worker could not start (%s); trying again in %.0f s", exc, wait)
+            time.sleep(wait)
+            wait = min(MAX_RESTART_WAIT_S, 2 * wait)
+    (folder / _STARTED).touch()
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "lifespan":

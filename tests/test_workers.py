@@ -68,6 +68,20 @@ url = "{redis.url}"
     assert "with 2 workers" in log and "Traceback" not in log
 
 
+def _one_pool(tmp_path, url: str, slots: int):
+    """A topology of one pool on the llama-server at `url`, and nothing else."""
+    config = tmp_path / "fleet.toml"
+    config.write_text(f"""
+[[pools]]
+name = "edge"
+rungs = ["llama-server"]
+urls = ["{url}"]
+slots = {slots}
+weight = 1.0
+""")
+    return config
+
+
 def test_workers_refuse_in_process_rungs():
     from qladder.cli import app
 
@@ -86,15 +100,7 @@ def test_a_worker_that_cannot_start_stops_the_command_with_its_reason(tmp_path):
 
     from qladder.peers.process import free_port
 
-    config = tmp_path / "fleet.toml"
-    config.write_text(f"""
-[[pools]]
-name = "edge"
-rungs = ["llama-server"]
-urls = ["http://127.0.0.1:{free_port()}"]
-slots = 4
-weight = 1.0
-""")
+    config = _one_pool(tmp_path, f"http://127.0.0.1:{free_port()}", slots=4)
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "qladder", "serve", "--config", str(config), "--port", str(free_port()),
                         "--workers", "2"], capture_output=True, text=True, timeout=120)
@@ -119,15 +125,7 @@ def test_a_worker_restarted_while_its_peer_is_down_tries_again_and_the_gateway_k
     import httpx
 
     llama = LlamaServer(model_info.path, n_parallel=2, threads=1, n_ctx_per_slot=1024).start()
-    config = tmp_path / "fleet.toml"
-    config.write_text(f"""
-[[pools]]
-name = "edge"
-rungs = ["llama-server"]
-urls = ["{llama.base_url}"]
-slots = 2
-weight = 1.0
-""")
+    config = _one_pool(tmp_path, llama.base_url, slots=2)
     log = tmp_path / "serve.log"
     proc, base = start_qladder_serve(config, log, args=["--workers", "2"])
 

@@ -131,10 +131,11 @@ class Replicas:
             while not self.healthy[k]:
                 await asyncio.sleep(self.probe_every_s)
                 if await self.endpoints[k].alive(client):
-                    # this probe is over before its client closes: an ejection meanwhile starts another
-                    if self._probes.get(k) is asyncio.current_task():
-                        del self._probes[k]
                     self._rejoin(k)
+            # k is back (this probe saw it, or the pool's `alive` did): this probe is over before its
+            # client closes, so an ejection meanwhile starts another
+            if self._probes.get(k) is asyncio.current_task():
+                del self._probes[k]
 
     async def alive(self, client: httpx.AsyncClient) -> bool:
         """Any endpoint answers (each that does rejoins)."""
@@ -215,11 +216,12 @@ class Replicas:
                 self.inflight[k] -= 1
         raise self._lost("call")
 
-    def _lost(self, what: str) -> RemoteStreamError:
-        """A stream or call that lost as many replicas in a row as the rung has: the rung is down
-        if none is left in rotation; else (one rejoined meanwhile) this request failed, not the rung."""
-        error = RemoteTransportError if any(self.healthy) else EndpointsDownError
-        return error(f"a {self.name} {what} lost {len(self.endpoints)} replicas in a row ({self.base_url})")
+    def _lost(self, what: str) -> RemoteTransportError:
+        """A stream or call that lost as many replicas in a row as the rung has, while one rejoined
+        (none left in rotation: `_servers_fault` raised EndpointsDownError before): this request
+        failed, not the rung."""
+        return RemoteTransportError(f"a {self.name} {what} lost {len(self.endpoints)} replicas in a row "
+                                    f"({self.base_url})")
 
     def close(self) -> None:  # (the probes are tasks of the pool's loop: its close cancels them)
         for e in self.endpoints:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 
 import psutil
 import pytest
@@ -13,6 +14,7 @@ from typer.testing import CliRunner
 from qladder.peers.llama_server import LlamaServer
 from qladder.peers.process import start_qladder_serve, stop
 from qladder.peers.stores import RedisServer
+from qladder.server.serve import WORKER_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -138,6 +140,7 @@ def test_a_worker_restarted_while_its_peer_is_down_tries_again_and_the_gateway_k
         assert len(workers) == 2
         port = llama.port
         llama.stop()
+        survivor = workers[1]
         workers[0].kill()  # dies while its peer is down: uvicorn restarts it, and it cannot build
         _wait_for(lambda: "this restarted gateway worker could not start" in text(), "the restarted worker's retry", 60)
         assert proc.poll() is None, text()[-3000:]  # the gateway still runs
@@ -149,8 +152,22 @@ def test_a_worker_restarted_while_its_peer_is_down_tries_again_and_the_gateway_k
                     "model": "smollm2-135m-instruct", "max_tokens": 4, "temperature": 0,
                     "messages": [{"role": "user", "content": f"Name a color. ({k})"}]})
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+        # The peer down again and the other worker killed: the gateway is stopped while the
+        # restarted worker retries. Every worker ends at once (uvicorn's handler would only set a
+        # flag the retry never reads: the supervisor would join it forever) and the topology file
+        # with the API keys is removed.
+        llama.stop()
+        retries = text().count("this restarted gateway worker could not start")
+        workers = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        folder = Path(workers[0].environ()[WORKER_ENV])
+        assert (folder / "topology.pickle").exists()
+        assert survivor in workers
+        survivor.kill()  # the other worker, killed in turn while its peer is down
+        _wait_for(lambda: text().count("this restarted gateway worker could not start") > retries,
+                  "the second restarted worker's retry", 60)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        assert proc.wait(30) == 0, text()[-3000:]
+        assert not folder.exists()
     finally:
         stop(proc)
         llama.stop()

@@ -247,34 +247,24 @@ def worker_app() -> Any:
     failure to build it while the gateway starts is written for the parent and ends the worker
     with STARTUP_FAILURE (the command fails); once any worker has served, a worker uvicorn
     restarted (one that died) that cannot build tries again, backing off, and its siblings serve
-    meanwhile: a peer down at that moment must not stop the whole gateway."""
+    meanwhile: a peer down at that moment must not stop the whole gateway (`_build_retrying`).
+    A worker counts as serving from its lifespan's start (the `started` marker)."""
     import os
-    import pickle
-    import sys
-    import time
-
-    from uvicorn.config import STARTUP_FAILURE
 
     folder = Path(os.environ[WORKER_ENV])
-    wait = 1.0
-    while True:
-        try:
-            with open(folder / _TOPOLOGY, "rb") as f:  # written by run_workers, this user's alone
-                t, keys = pickle.load(f)
-            server = build_server(t, api_keys=keys)
-            break
-        except Exception as exc:
-            if not (folder / _STARTED).exists():  # the gateway's start: the command fails with the reason
-                _log.error("this gateway worker could not start: %s", exc)
-                with contextlib.suppress(OSError), open(folder / _FAILED, "a") as out:
-                    out.write(f"{exc}\n")
-                sys.exit(STARTUP_FAILURE)
-            # A worker uvicorn restarted while its siblings serve (a peer down at that moment): it
-            # must not stop the gateway (STARTUP_FAILURE would); it tries again until it builds.
-            _log.error("this restarted gateway worker could not start (%s); trying again in %.0f s", exc, wait)
-            time.sleep(wait)
-            wait = min(MAX_RESTART_WAIT_S, 2 * wait)
-    (folder / _STARTED).touch()
+    parent = os.getppid()
+
+    def stop(sig: int, frame: Any) -> None:  # uvicorn's own handler only sets a flag its loop reads
+        raise SystemExit(0)
+
+    # Until the server is built, SIGTERM/SIGINT end this worker at once: uvicorn's handler would only
+    # set a flag, and a worker retrying below would never read it (the supervisor joins it forever).
+    held = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server = _build_retrying(folder, parent)
+    finally:
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "lifespan":
@@ -283,6 +273,7 @@ def worker_app() -> Any:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                (folder / _STARTED).touch()  # this worker serves: from now on, a restart retries
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 server.gateway.draining = True
@@ -291,6 +282,37 @@ def worker_app() -> Any:
                 return
 
     return app
+
+
+def _build_retrying(folder: Path, parent: int) -> Server:
+    """The server from the parent's topology. At the gateway's start (no worker has served yet) a
+    failure is written for the parent and ends this worker with STARTUP_FAILURE; later (a worker
+    uvicorn restarted while its siblings serve, a peer down at that moment) it tries again,
+    backing off to MAX_RESTART_WAIT_S, and gives up only when its parent is gone."""
+    import os
+    import pickle
+    import sys
+    import time
+
+    from uvicorn.config import STARTUP_FAILURE
+
+    wait = 1.0
+    while True:
+        try:
+            with open(folder / _TOPOLOGY, "rb") as f:  # written by run_workers, this user's alone
+                t, keys = pickle.load(f)
+            return build_server(t, api_keys=keys)
+        except Exception as exc:
+            if not (folder / _STARTED).exists():  # the gateway's start: the command fails with the reason
+                _log.error("this gateway worker could not start: %s", exc)
+                with contextlib.suppress(OSError), open(folder / _FAILED, "a") as out:
+                    out.write(f"{exc}\n")
+                sys.exit(STARTUP_FAILURE)
+            _log.error("this restarted gateway worker could not start (%s); trying again in %.0f s", exc, wait)
+            time.sleep(wait)
+            if os.getppid() != parent:  # the supervisor died (SIGKILL): nobody will stop this worker
+                sys.exit(0)
+            wait = min(MAX_RESTART_WAIT_S, 2 * wait)
 
 
 def is_loopback(host: str) -> bool:

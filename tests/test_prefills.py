@@ -98,3 +98,40 @@ def test_a_cached_prompt_answered_at_once_is_owed_only_its_own_short_life():
     clock.t += 0.1
     ledger.end(k, answered=False)
     assert ledger.owed(since) == pytest.approx(0.1 * MARGIN)
+
+
+def test_done_prompts_that_ended_before_the_silence_owe_nothing_whatever_their_order():
+    """owed() walks the done prompts newest first and stops at the first that ended before
+    `since`: those before it ended earlier still (the clock only goes forward)."""
+    clock = Clock()
+    ledger = _measured(clock)  # rate 500/s; its measuring prompt ended 10 s ago
+    a = ledger.begin(500)  # 1 s of prefill, ends before the silence
+    clock.t += 1.0
+    ledger.end(a, answered=False)
+    since = clock.t + 0.5
+    clock.t = since + 0.5
+    b = ledger.begin(250)  # 0.5 s of prefill inside the silence
+    clock.t += 0.5
+    ledger.end(b, answered=False)
+    clock.t += 1.0
+    assert ledger.owed(since) == pytest.approx(MARGIN * 0.5)
+    assert ledger.owed(clock.t) == 0.0  # nothing since now
+
+
+def test_a_sent_prompt_measures_the_rate_once_and_a_resent_one_is_prefilled_anew():
+    clock = Clock()
+    ledger = PrefillLedger(clock, cap_s=30.0)
+    sent = ledger.sent(1000)
+    assert sent.waiting and ledger.pending == 1
+    clock.t += 2.0
+    assert sent.answered() and not sent.waiting and ledger.rate == pytest.approx(500.0)
+    clock.t += 1.0
+    assert not sent.answered() and ledger.rate == pytest.approx(500.0)  # later tokens measure nothing
+    sent.resent(2000)  # its replica died: the sibling prefills the whole context again
+    assert sent.waiting and ledger.pending == 1
+    since = clock()
+    clock.t += 1.0
+    assert ledger.owed(since) == pytest.approx(MARGIN * 4.0)  # sent in the silence: its whole 4 s
+    sent.close()
+    sent.close()  # idempotent: a stream ends however it ends
+    assert ledger.pending == 0 and ledger.rate == pytest.approx(500.0)  # closed unanswered: no rate

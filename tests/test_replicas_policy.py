@@ -165,3 +165,20 @@ def test_a_stream_that_lost_every_replica_while_one_rejoined_fails_the_request_n
         asyncio.run(collect(r, 12))
     assert not isinstance(err.value, EndpointsDownError) and "lost 2 replicas in a row" in str(err.value)
     assert (r.healthy, r.migrations, r.ejections, r.rejoins) == ([True, False], 1, 2, 1)
+
+
+def test_whose_failure_a_remote_call_was():
+    """server_down: a 5xx or a stream cut short is the request's (RemoteStreamError, its
+    transport subclass); a refused connection, a timeout or every replica out is the server's."""
+    import pickle
+
+    from qladder.errors import StreamSilentError, server_down
+
+    assert not server_down(RemoteStreamError("HTTP 500"))
+    assert not server_down(RemoteTransportError("stream ended without [DONE]"))
+    assert server_down(EndpointsDownError("every replica is out"))
+    assert server_down(httpx.ConnectError("refused"))
+    assert server_down(httpx.ReadTimeout("hung"))
+    assert server_down(StreamSilentError(2.5))
+    again = pickle.loads(pickle.dumps(StreamSilentError(2.5)))
+    assert isinstance(again, StreamSilentError) and again.limit == 2.5 and str(again) == "no item within 2.5 s"

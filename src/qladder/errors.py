@@ -125,6 +125,9 @@ class StreamSilentError(QladderError):
         super().__init__(f"no item within {limit:.1f} s")
         self.limit = limit
 
+    def __reduce__(self) -> tuple[type[StreamSilentError], tuple[float]]:  # (its args are not its message)
+        return (type(self), (self.limit,))
+
 
 def server_down(exc: BaseException) -> bool:
     """Whether a remote call's failure (caught as RemoteStreamError, a transport error or a

@@ -68,8 +68,15 @@ def test_generate_verified_gives_fp32s_answer_and_refuses_a_ladder_with_no_verif
     p = run("generate", "--verified", "--json", "--max-tokens", "24", "What is the capital of France?")
     assert p.returncode == 0, p.stderr.decode()
     out = json.loads(p.stdout)
-    ref = run("generate", "--rung", "fp32", "--json", "--max-tokens", "24", "What is the capital of France?")
-    assert out["token_ids"] == json.loads(ref.stdout)["token_ids"] and "Paris" in out["text"]
+    from qladder.model import inspect_model, user_prompt_ids
+    from qladder.validate.replay import greedy
+
+    from .conftest import get_engine
+
+    fp32 = get_engine("fp32")  # fp32's own greedy answer, in this process (the same weights)
+    ref = greedy(fp32, user_prompt_ids(inspect_model().chat_template, "What is the capital of France?",
+                                       fp32.tokenize), 24)
+    assert out["token_ids"] == ref and "Paris" in out["text"]
     assert set(out["token_rungs"]) == {"fp32"} and out["timings"].get("verify_windows", 0) >= 1, out
     assert "needs a ladder that starts on int4" in _one_line_error("generate", "--verified", "--rung", "fp32", "Hi")
 

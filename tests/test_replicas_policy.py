@@ -13,10 +13,12 @@ import pytest
 
 from qladder.engines.remote import RemoteEnd, RemoteResumed
 from qladder.engines.remote_vllm import Verdict
-from qladder.engines.replicas import Replicas
+from qladder.engines.replicas import OUTLIER_COOLDOWN_S, OUTLIER_FAILS, Replicas
 from qladder.errors import EndpointsDownError, RemoteStreamError, RemoteTransportError
 from qladder.health.remote import RemoteToken, Scored
 from qladder.sampling import SamplingParams
+
+from .fakes import Clock
 
 
 def next_id(ids: list[int]) -> int:
@@ -30,8 +32,9 @@ class FakeEndpoint:
     name, can_score, precision, fingerprint = "fake", True, "int4", "v1"
     n_ctx, n_slots, n_vocab, eos_ids, server = 4096, 1, 97, frozenset[int](), "fake-server"
 
-    def __init__(self, url: str, fail_after: int | None = None, up: bool = True):
+    def __init__(self, url: str, fail_after: int | None = None, up: bool = True, broken_after: int | None = None):
         self.base_url, self.fail_after, self.up = url, fail_after, up
+        self.broken_after = broken_after  # every stream fails this many tokens in (a broken server)
         self.streams = self.calls = self.health_checks = 0
         self.revives: FakeEndpoint | None = None
 
@@ -46,6 +49,8 @@ class FakeEndpoint:
             if self.fail_after is not None and i >= self.fail_after:
                 self.fail_after = None  # (one failure a stream)
                 raise RemoteTransportError(f"{self.base_url}: stream cut short")
+            if self.broken_after is not None and i >= self.broken_after:
+                raise RemoteTransportError(f"{self.base_url} answered HTTP 500")
             t = next_id(ctx)
             ctx.append(t)
             yield RemoteToken(t, -0.1, None)
@@ -182,3 +187,57 @@ def test_whose_failure_a_remote_call_was():
     assert server_down(StreamSilentError(2.5))
     again = pickle.loads(pickle.dumps(StreamSilentError(2.5)))
     assert isinstance(again, StreamSilentError) and again.limit == 2.5 and str(again) == "no item within 2.5 s"
+
+
+async def _pairs(r: Replicas, rounds: int) -> list[list[object]]:
+    """`rounds` times two streams at once (the first goes to endpoint 0, the second, while the
+    first is in flight, to endpoint 1): each stream's items, or its error."""
+    out: list[list[object]] = []
+    async with httpx.AsyncClient() as client:
+        async def one() -> list[object]:
+            return [item async for item in r.stream(client, [1, 2, 3], SamplingParams(max_tokens=4), 4)]
+
+        for _ in range(rounds):
+            for res in await asyncio.gather(one(), one(), return_exceptions=True):
+                out.append([res] if isinstance(res, BaseException) else res)
+    return out
+
+
+def test_a_server_that_fails_every_call_and_answers_its_health_is_ejected_for_a_cooldown():
+    """A broken server behind a /health that says 200: after OUTLIER_FAILS failed calls in a row,
+    while its sibling answered, it is out (the call that ejected it goes on at the sibling); its
+    /health cannot bring it back before the cooldown; ejected again, the cooldown doubles."""
+    clock = Clock()
+    bad, good = FakeEndpoint("http://a", broken_after=2), FakeEndpoint("http://b")
+    r = Replicas([bad, good], probe_every_s=0.01, clock=clock)  # type: ignore[list-item]
+
+    async def go() -> None:
+        results = await _pairs(r, OUTLIER_FAILS)
+        errors = [x[0] for x in results if isinstance(x[0], BaseException)]
+        assert len(errors) == OUTLIER_FAILS - 1 and all(type(e) is RemoteStreamError for e in errors)
+        assert all(tokens(x) == unbroken(4) for x in results if not isinstance(x[0], BaseException))
+        assert (r.healthy, r.ejections, r.migrations) == ([False, True], 1, 1)  # the last one went on at b
+        checks = bad.health_checks
+        await asyncio.sleep(0.1)  # ten probe periods inside the cooldown: no /health asked, no rejoin
+        assert r.healthy == [False, True] and bad.health_checks == checks
+        clock.t += OUTLIER_COOLDOWN_S
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if r.healthy[0]:
+                break
+        assert r.healthy == [True, True] and r.rejoins == 1
+        await _pairs(r, OUTLIER_FAILS)  # still broken: out again, for twice as long
+        assert r.healthy == [False, True] and r._out_until[0] == clock() + 2 * OUTLIER_COOLDOWN_S
+
+    asyncio.run(go())
+
+
+def test_requests_that_fail_every_replica_alike_eject_none():
+    """Failures their input causes (every replica fails them) are the requests': no sibling
+    answered meanwhile, so however many in a row, no replica is ejected."""
+    clock = Clock()
+    r = Replicas([FakeEndpoint("http://a", broken_after=2), FakeEndpoint("http://b", broken_after=2)],  # type: ignore[list-item]
+                 probe_every_s=0.01, clock=clock)
+    results = asyncio.run(_pairs(r, 3 * OUTLIER_FAILS))
+    assert all(type(x[0]) is RemoteStreamError for x in results) and len(results) == 6 * OUTLIER_FAILS
+    assert (r.healthy, r.ejections, r.migrations) == ([True, True], 0, 0)

@@ -12,6 +12,15 @@ and the request's error reaches the pool, as from a single server. A new stream 
 the healthy endpoint with the fewest streams in flight (past 8 endpoints, the better of two
 picked at random: power of two choices).
 
+A server that fails every request and still answers `/health` (a broken slot, a full disk, a
+proxy in front of it answering 500) would otherwise stay in rotation forever: an outlier, as
+Envoy's outlier detection calls it. An endpoint whose calls failed OUTLIER_FAILS times in a row
+with its `/health` up, while a sibling answered a call since the first of them, is the server's
+fault, not its requests': it is ejected for OUTLIER_COOLDOWN_S (doubled each time it is ejected
+again before it answers one call, up to OUTLIER_COOLDOWN_MAX_S), then probed as any ejected
+endpoint, and the call that ejected it goes on at a sibling. Requests that fail every replica
+alike (their input) eject none: no sibling answered meanwhile.
+
 An answer survives its server: when an endpoint fails mid-stream, the stream continues on a
 healthy sibling from the ids it has already yielded (prompt + the answer so far, the budget
 reduced by as many), so the caller (the remote pool, its guard and the client) sees one
@@ -36,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -49,6 +59,9 @@ from qladder.health.remote import RemoteToken, Scored
 from qladder.sampling import SamplingParams
 
 TWO_CHOICES_PAST = 8
+OUTLIER_FAILS = 3  # calls failed in a row, /health up, while a sibling answered: the endpoint is out
+OUTLIER_COOLDOWN_S = 10.0  # for this long before its /health may bring it back; doubled each time it is
+OUTLIER_COOLDOWN_MAX_S = 120.0  # ejected again before it answers a call, up to this
 T = TypeVar("T")
 
 
@@ -56,7 +69,7 @@ class Replicas:
     """A RemoteRung over several endpoints of one kind (all llama-server, or all vLLM)."""
 
     def __init__(self, endpoints: Sequence[LlamaServerRung | VllmRung], probe_every_s: float = 1.0,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic):
         if not endpoints:
             raise ConfigError("a pool of replicas needs at least one url")
         first = endpoints[0]
@@ -78,6 +91,13 @@ class Replicas:
         self.rejoins = 0
         self._rng = rng or random.Random(0)
         self._probes: dict[int, asyncio.Future[None]] = {}
+        self.clock = clock
+        n = len(endpoints)
+        self._streak = [0] * n  # calls failed in a row with /health up
+        self._streak_since = [0.0] * n  # when the first of them failed
+        self._last_ok = [float("-inf")] * n  # when the endpoint last answered a call
+        self._times_out = [0] * n  # outlier ejections since it last answered a call
+        self._out_until = [0.0] * n  # no rejoin before (an outlier's cooldown)
 
     # -- what the pool reads -------------------------------------------------------------------------
     @property
@@ -126,11 +146,14 @@ class Replicas:
             self.healthy[k] = True
             self.rejoins += 1
 
+    def _may_rejoin(self, k: int) -> bool:
+        return self.clock() >= self._out_until[k]
+
     async def _probe(self, k: int) -> None:
         async with httpx.AsyncClient() as client:
             while not self.healthy[k]:
                 await asyncio.sleep(self.probe_every_s)
-                if await self.endpoints[k].alive(client):
+                if self._may_rejoin(k) and await self.endpoints[k].alive(client):
                     self._rejoin(k)
             # k is back (this probe saw it, or the pool's `alive` did): this probe is over before its
             # client closes, so an ejection meanwhile starts another
@@ -140,18 +163,40 @@ class Replicas:
     async def alive(self, client: httpx.AsyncClient) -> bool:
         """Any endpoint answers (each that does rejoins)."""
         for k, e in enumerate(self.endpoints):
-            if not self.healthy[k] and await e.alive(client):
+            if not self.healthy[k] and self._may_rejoin(k) and await e.alive(client):
                 self._rejoin(k)
         return any(self.healthy)
+
+    def _answered(self, k: int) -> None:
+        """Endpoint k answered a call (a stream to its end, a score)."""
+        self._streak[k] = self._times_out[k] = 0
+        self._last_ok[k] = self.clock()
+
+    def _outlier(self, k: int) -> bool:
+        """Endpoint k failed a call with its /health up: whether that makes it an outlier (its
+        OUTLIER_FAILS-th failure in a row, a sibling in rotation having answered since the first),
+        and if so its cooldown."""
+        now = self.clock()
+        if self._streak[k] == 0:
+            self._streak_since[k] = now
+        self._streak[k] += 1
+        if self._streak[k] < OUTLIER_FAILS or not any(
+                self.healthy[j] and self._last_ok[j] >= self._streak_since[k] for j in range(len(self.endpoints))
+                if j != k):
+            return False
+        self._streak[k] = 0
+        self._times_out[k] += 1
+        self._out_until[k] = now + min(OUTLIER_COOLDOWN_MAX_S, OUTLIER_COOLDOWN_S * 2 ** (self._times_out[k] - 1))
+        return True
 
     async def _servers_fault(self, client: httpx.AsyncClient, k: int, exc: Exception) -> None:
         """Endpoint k failed a call (a refused or dropped connection, a 5xx, a stream cut short).
         Whose failure: a server whose `/health` still answers failed this request (a 5xx that its
         input causes would fail every sibling the same way), so it stays in rotation and the error
-        reaches the pool as the request's (a RemoteStreamError: a hazard, as for one server).
-        Otherwise the endpoint is ejected, and EndpointsDownError says when none is left; the
-        caller goes on at a sibling."""
-        if await self.endpoints[k].alive(client):
+        reaches the pool as the request's (a RemoteStreamError: a hazard, as for one server),
+        unless that makes it an outlier (`_outlier`). Otherwise the endpoint is ejected, and
+        EndpointsDownError says when none is left; the caller goes on at a sibling."""
+        if await self.endpoints[k].alive(client) and not self._outlier(k):
             raise RemoteStreamError(f"{self.endpoints[k].base_url} failed this request and answers its "
                                     f"/health: {exc}") from exc
         self.eject(k)
@@ -181,9 +226,12 @@ class Replicas:
                     async for item in items:
                         if isinstance(item, RemoteToken):
                             answered.append(item.token_id)
+                        elif isinstance(item, RemoteEnd):  # (before the yield: the caller may close us there)
+                            self._answered(k)
                         yield item
                         if isinstance(item, RemoteEnd):
                             return
+                self._answered(k)
                 return
             except (httpx.TransportError, RemoteTransportError) as exc:
                 await self._servers_fault(client, k, exc)
@@ -209,7 +257,9 @@ class Replicas:
             k = self._next()
             self.inflight[k] += 1
             try:
-                return await call(self.endpoints[k])
+                result = await call(self.endpoints[k])
+                self._answered(k)
+                return result
             except (httpx.TransportError, RemoteTransportError) as exc:
                 await self._servers_fault(client, k, exc)
             finally:

@@ -53,3 +53,21 @@ def test_no_answer_migrated_proves_nothing_and_fails():
 def test_a_hazard_or_a_handoff_in_the_kill_phase_fails():
     f = _run([_o("fleet-a", "kill", 99, 101, REF, migrations=1, hazards=["deadline"], handoff_ms=[3.0])])
     assert _status(f, "kill: hazards and handoffs") == "fail"
+
+
+def test_every_answer_is_judged_and_llama_servers_text_is_retokenized(model_info):
+    """benchmarks.common.judge_answers (bench serve and the fleet bench): llama-server's chat stream
+    gives no ids, so its answer is re-tokenized from its text and flagged; a gateway's keeps its
+    own ids; each is judged (a flood of dots is garbage whichever way its ids came)."""
+    from qladder.benchmarks.common import judge_answers
+
+    direct = Outcome("t", "llama_server_direct", "p0", "normal", "normal", text="The sky is blue.")
+    flood = Outcome("t", "llama_server_direct", "p1", "normal", "normal", text="." * 64)
+    gateway = Outcome("t", "fleet", "p0", "normal", "normal", text="The sky is blue.", token_ids=[1, 2, 3])
+    failed = Outcome("t", "llama_server_direct", "p2", "normal", "normal", status=500, error="boom")
+    judge_answers([direct, flood, gateway, failed], model_info)
+    assert direct.token_ids_source == "retokenized" and len(direct.token_ids) >= 4
+    assert direct.rungs == ["llama-server"] * len(direct.token_ids)
+    assert direct.verdict["garbage"] is False and flood.verdict["garbage"] is True
+    assert gateway.token_ids == [1, 2, 3] and gateway.token_ids_source != "retokenized" and gateway.verdict
+    assert failed.verdict == {} and failed.token_ids == []

@@ -14,6 +14,7 @@ import numpy as np
 from qladder.environment import cpu, versions
 
 if TYPE_CHECKING:
+    from qladder.model import ModelInfo
     from qladder.validate.outcome import Outcome
 
 J = TypeVar("J")
@@ -83,3 +84,20 @@ def closed_loop(n_clients: int, jobs: Sequence[J], run: Callable[[J], None]) -> 
         t.start()
     for t in threads:
         t.join()
+
+
+def judge_answers(outcomes: Sequence[Outcome], info: ModelInfo) -> None:
+    """Every answer judged on its ids and text. The gateways give their ids; llama-server's chat
+    stream gives none, so its answers are re-tokenized (flagged `retokenized`). Used by every
+    benchmark that serves chat answers (serve_load, fleet)."""
+    from qladder.engines.llamacpp import LlamaVocab
+
+    vocab = LlamaVocab(info)
+    try:
+        for o in outcomes:
+            if o.ok and o.config.startswith("llama_server"):
+                o.token_ids, o.token_ids_source = vocab.tokenize(o.text, False) if o.text else [], "retokenized"
+                o.rungs = ["llama-server"] * len(o.token_ids)
+            o.judge()
+    finally:
+        vocab.close()

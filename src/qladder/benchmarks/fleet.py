@@ -43,6 +43,7 @@ from typing import Any
 
 import httpx
 
+from qladder.benchmarks.common import judge_answers
 from qladder.benchmarks.serve_load import Clock, Job, QladderProcess, _closed_loop, _jobs, _scrape, _sum, _write
 from qladder.environment import cpu, versions
 from qladder.peers.llama_server import LlamaServer
@@ -179,7 +180,7 @@ def run_fleet_bench(window_s: float = 30.0, rounds: int = 3, clients: int = 16, 
             r.stop()
         redis.close()
         pg.close()
-    _judge(outcomes, info)
+    judge_answers(outcomes, info)
     return _write({**head, "observations": obs}, outcomes, out_dir, RUN)
 
 
@@ -304,22 +305,6 @@ def _incidents(gateways: list[QladderProcess], pg: PostgresServer, obs: dict[str
         row = db.execute("SELECT COUNT(*) FROM incidents").fetchone()
     obs["incidents"] = {"postgres_rows": int(row[0]) if row else 0, "metrics_hazards": hazards,
                         "metrics_hazards_total": sum(hazards.values())}
-
-
-def _judge(outcomes: list[Outcome], info: Any) -> None:
-    """Every answer judged on its ids and text (the gateways give their ids; llama-server's chat
-    stream gives none, so its answers are re-tokenized, flagged `retokenized`)."""
-    from qladder.engines.llamacpp import LlamaVocab
-
-    vocab = LlamaVocab(info)
-    try:
-        for o in outcomes:
-            if o.ok and o.config.startswith("llama_server"):
-                o.token_ids, o.token_ids_source = vocab.tokenize(o.text, False) if o.text else [], "retokenized"
-                o.rungs = ["llama-server"] * len(o.token_ids)
-            o.judge()
-    finally:
-        vocab.close()
 
 
 def main() -> None:  # python -m qladder.benchmarks.fleet OUT

@@ -48,6 +48,7 @@ from typing import Any
 
 import httpx
 
+from qladder.benchmarks.common import judge_answers
 from qladder.environment import cpu, versions
 from qladder.peers.llama_server import LlamaServer
 from qladder.peers.process import free_port, start_qladder_serve, stop
@@ -388,13 +389,9 @@ def _judge(outcomes: list[Outcome], info: Any, max_tokens: int, say: Any) -> Non
     from qladder.prepare import Preparer
     from qladder.validate.garbage import mean_nll
 
+    judge_answers(outcomes, info)
     vocab = LlamaVocab(info)
     try:
-        for o in outcomes:
-            if o.ok and o.config.startswith("llama_server"):
-                o.token_ids, o.token_ids_source = vocab.tokenize(o.text, False) if o.text else [], "retokenized"
-                o.rungs = ["llama-server"] * len(o.token_ids)
-            o.judge()
         say("judging the faulted answers (fp32 likelihood)")
         fp32 = load_engine("fp32", info, Settings.from_env())
         assert isinstance(fp32, TorchEngine)  # the fp32 rung is torch's, which scores an answer

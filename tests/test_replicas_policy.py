@@ -101,16 +101,24 @@ def test_a_dead_server_mid_stream_is_ejected_and_the_answer_goes_on_at_a_sibling
     assert (r.healthy, r.migrations, r.ejections, r.inflight) == ([False, True], 1, 1, [0, 0])
 
 
-def test_a_5xx_from_a_server_that_answers_health_is_the_requests_error_not_an_ejection():
-    """A request whose input makes a server fail would make every sibling fail alike: it must not
-    eject the pool's replicas one by one. Its error reaches the pool as the request's."""
-    live = FakeEndpoint("http://a", fail_after=3, up=True)
-    other = FakeEndpoint("http://b")
+def test_a_5xx_from_a_server_that_answers_health_goes_on_at_a_sibling_and_fails_if_it_fails_there_too():
+    """A server that fails a request and still answers /health: the request goes on once at a
+    sibling. The sibling answers: one stream, no ejection (one failure blames, it does not eject).
+    The sibling fails it too: the request's input did, and its error reaches the pool."""
+    live, other = FakeEndpoint("http://a", fail_after=3, up=True), FakeEndpoint("http://b")
     r = replicas(live, other)
+    items = asyncio.run(collect(r, 12))
+    assert tokens(items) == unbroken(12) and sum(isinstance(i, RemoteResumed) for i in items) == 1
+    assert (r.healthy, r.migrations, r.ejections, other.streams) == ([True, True], 1, 0, 1)
+    both = replicas(FakeEndpoint("http://a", fail_after=3), FakeEndpoint("http://b", fail_after=1))
     with pytest.raises(RemoteStreamError) as err:
-        asyncio.run(collect(r, 12))
-    assert not isinstance(err.value, RemoteTransportError) and "answers its /health" in str(err.value)
-    assert (r.healthy, r.migrations, r.ejections, other.streams) == ([True, True], 0, 0, 0)
+        asyncio.run(collect(both, 12))
+    assert not isinstance(err.value, RemoteTransportError) and "as did http://a" in str(err.value)
+    assert (both.healthy, both.ejections) == ([True, True], 0)
+    alone = replicas(FakeEndpoint("http://a", fail_after=3))  # no sibling to ask: the request's, as for one server
+    with pytest.raises(RemoteStreamError):
+        asyncio.run(collect(alone, 12))
+    assert alone.healthy == [True]
 
 
 def test_every_replica_failing_is_endpoints_down_whatever_the_last_failure_was():
@@ -189,55 +197,91 @@ def test_whose_failure_a_remote_call_was():
     assert isinstance(again, StreamSilentError) and again.limit == 2.5 and str(again) == "no item within 2.5 s"
 
 
-async def _pairs(r: Replicas, rounds: int) -> list[list[object]]:
-    """`rounds` times two streams at once (the first goes to endpoint 0, the second, while the
-    first is in flight, to endpoint 1): each stream's items, or its error."""
-    out: list[list[object]] = []
-    async with httpx.AsyncClient() as client:
-        async def one() -> list[object]:
-            return [item async for item in r.stream(client, [1, 2, 3], SamplingParams(max_tokens=4), 4)]
-
-        for _ in range(rounds):
-            for res in await asyncio.gather(one(), one(), return_exceptions=True):
-                out.append([res] if isinstance(res, BaseException) else res)
-    return out
-
-
 def test_a_server_that_fails_every_call_and_answers_its_health_is_ejected_for_a_cooldown():
-    """A broken server behind a /health that says 200: after OUTLIER_FAILS failed calls in a row,
-    while its sibling answered, it is out (the call that ejected it goes on at the sibling); its
-    /health cannot bring it back before the cooldown; ejected again, the cooldown doubles."""
+    """A broken server behind a /health that says 200, one request at a time (it is picked first
+    each time): each failed request goes on at the sibling and answers, blaming it; blamed
+    OUTLIER_FAILS times in a row it is out, and its /health cannot bring it back before the
+    cooldown; ejected again, the cooldown doubles. A call in flight when it was ejected adds no
+    second count, and if its sibling dies it comes back at once (better a suspect than none)."""
     clock = Clock()
     bad, good = FakeEndpoint("http://a", broken_after=2), FakeEndpoint("http://b")
     r = Replicas([bad, good], probe_every_s=0.01, clock=clock)  # type: ignore[list-item]
 
     async def go() -> None:
-        results = await _pairs(r, OUTLIER_FAILS)
-        errors = [x[0] for x in results if isinstance(x[0], BaseException)]
-        assert len(errors) == OUTLIER_FAILS - 1 and all(type(e) is RemoteStreamError for e in errors)
-        assert all(tokens(x) == unbroken(4) for x in results if not isinstance(x[0], BaseException))
-        assert (r.healthy, r.ejections, r.migrations) == ([False, True], 1, 1)  # the last one went on at b
+        for _ in range(OUTLIER_FAILS):
+            assert tokens(await collect(r, 6)) == unbroken(6)  # every answer whole, at the sibling
+        assert (r.healthy, r.ejections, r.migrations, bad.streams) == ([False, True], 1, OUTLIER_FAILS, OUTLIER_FAILS)
+        until = r._out_until[0]
+        assert until == clock() + OUTLIER_COOLDOWN_S
+        r._blame(0)  # a call that was in flight on it when it was ejected
+        assert r._out_until[0] == until
         checks = bad.health_checks
         await asyncio.sleep(0.1)  # ten probe periods inside the cooldown: no /health asked, no rejoin
         assert r.healthy == [False, True] and bad.health_checks == checks
+        assert tokens(await collect(r, 6)) == unbroken(6) and bad.streams == OUTLIER_FAILS  # not sent there
         clock.t += OUTLIER_COOLDOWN_S
         for _ in range(100):
             await asyncio.sleep(0.01)
             if r.healthy[0]:
                 break
         assert r.healthy == [True, True] and r.rejoins == 1
-        await _pairs(r, OUTLIER_FAILS)  # still broken: out again, for twice as long
+        for _ in range(OUTLIER_FAILS):  # still broken: out again, for twice as long
+            await collect(r, 6)
         assert r.healthy == [False, True] and r._out_until[0] == clock() + 2 * OUTLIER_COOLDOWN_S
+        good.up = False
+        r.eject(1)  # its sibling dies: the outlier is all there is
+        async with httpx.AsyncClient() as client:
+            assert await r.alive(client) and r.healthy == [True, False]
 
     asyncio.run(go())
 
 
-def test_requests_that_fail_every_replica_alike_eject_none():
-    """Failures their input causes (every replica fails them) are the requests': no sibling
-    answered meanwhile, so however many in a row, no replica is ejected."""
+def test_requests_that_fail_every_replica_eject_none_among_normal_traffic():
+    """A request whose input fails every replica (here: a context that starts with 66) fails at
+    its sibling too: no replica is blamed, however many such requests come, between normal ones
+    and at once with them."""
+    class Picky(FakeEndpoint):
+        async def stream(self, client: httpx.AsyncClient, ids: list[int], params: SamplingParams,
+                         n: int) -> AsyncGenerator[RemoteToken | RemoteEnd, None]:
+            self.streams += 1
+            ctx = list(ids)
+            for _ in range(n):
+                if ids[0] == 66 and len(ctx) >= 5:  # two tokens into the answer, wherever it is
+                    raise RemoteTransportError(f"{self.base_url} answered HTTP 500")
+                ctx.append(next_id(ctx))
+                yield RemoteToken(ctx[-1], -0.1, None)
+                await asyncio.sleep(0)
+            yield RemoteEnd(length=True)
+
+    r = Replicas([Picky("http://a"), Picky("http://b"), Picky("http://c")], probe_every_s=0.01,  # type: ignore[list-item]
+                 clock=Clock())
+
+    async def go() -> list[object]:
+        async with httpx.AsyncClient() as client:
+            async def one(first: int) -> list[object]:
+                return [i async for i in r.stream(client, [first, 2, 3], SamplingParams(max_tokens=4), 4)]
+
+            out: list[object] = []
+            for _ in range(4 * OUTLIER_FAILS):
+                out += await asyncio.gather(one(1), one(66), one(1), return_exceptions=True)
+                out += await asyncio.gather(one(66), return_exceptions=True)
+            return out
+
+    results = asyncio.run(go())
+    failed = [x for x in results if isinstance(x, BaseException)]
+    assert len(failed) == 2 * 4 * OUTLIER_FAILS and all(type(e) is RemoteStreamError for e in failed)
+    assert (r.healthy, r.ejections) == ([True, True, True], 0)
+
+
+def test_at_most_half_the_replicas_are_out_as_outliers():
     clock = Clock()
-    r = Replicas([FakeEndpoint("http://a", broken_after=2), FakeEndpoint("http://b", broken_after=2)],  # type: ignore[list-item]
-                 probe_every_s=0.01, clock=clock)
-    results = asyncio.run(_pairs(r, 3 * OUTLIER_FAILS))
-    assert all(type(x[0]) is RemoteStreamError for x in results) and len(results) == 6 * OUTLIER_FAILS
-    assert (r.healthy, r.ejections, r.migrations) == ([True, True], 0, 0)
+    r = Replicas([FakeEndpoint(f"http://{c}", broken_after=1) for c in "ab"] + [FakeEndpoint("http://c"),  # type: ignore[list-item]
+                 FakeEndpoint("http://d")], probe_every_s=0.01, clock=clock)
+
+    async def go() -> None:  # (an ejection starts its probe on the loop)
+        for _ in range(OUTLIER_FAILS):
+            for k in (0, 1, 2):
+                r._blame(k)
+        assert r.healthy == [False, False, True, True]  # the third, blamed as often: two of four are out
+
+    asyncio.run(go())

@@ -6,20 +6,19 @@
 Each replica (an endpoint) has its own health: a refused connection, a dropped stream or a 5xx
 (`RemoteTransportError`) from a server whose `/health` then fails too (the server's fault, not
 the model's) ejects it at once, and its `/health` is probed every `probe_every_s` until it
-answers, when it rejoins. A server that fails a call and still answers `/health` failed that
-request, not itself (a 5xx its input causes would fail every sibling alike): it stays in rotation
-and the request's error reaches the pool, as from a single server. A new stream goes to
-the healthy endpoint with the fewest streams in flight (past 8 endpoints, the better of two
-picked at random: power of two choices).
+answers, when it rejoins. A new stream goes to the healthy endpoint with the fewest streams in
+flight (past 8 endpoints, the better of two picked at random: power of two choices).
 
-A server that fails every request and still answers `/health` (a broken slot, a full disk, a
-proxy in front of it answering 500) would otherwise stay in rotation forever: an outlier, as
-Envoy's outlier detection calls it. An endpoint whose calls failed OUTLIER_FAILS times in a row
-with its `/health` up, while a sibling answered a call since the first of them, is the server's
-fault, not its requests': it is ejected for OUTLIER_COOLDOWN_S (doubled each time it is ejected
-again before it answers one call, up to OUTLIER_COOLDOWN_MAX_S), then probed as any ejected
-endpoint, and the call that ejected it goes on at a sibling. Requests that fail every replica
-alike (their input) eject none: no sibling answered meanwhile.
+A server that fails a call and still answers `/health` is either broken behind a `/health` that
+says 200 (a broken slot, a full disk, a proxy answering 500: an outlier, as Envoy's outlier
+detection calls it) or was failed by the request (its input would fail every sibling alike).
+The call says which: it goes on once at a sibling. If the sibling fails it too, the failure is
+the request's: its error reaches the pool (a RemoteStreamError: a hazard, as from a single
+server) and no replica is blamed. If the sibling answers, the first server is blamed; blamed
+OUTLIER_FAILS times in a row (an answer of its own clears them), it is ejected for
+OUTLIER_COOLDOWN_S, doubled each time it is ejected again before it answers a call (up to
+OUTLIER_COOLDOWN_MAX_S), and no `/health` brings it back sooner unless no replica is left. At
+most half the replicas are out as outliers at once.
 
 An answer survives its server: when an endpoint fails mid-stream, the stream continues on a
 healthy sibling from the ids it has already yielded (prompt + the answer so far, the budget
@@ -59,7 +58,7 @@ from qladder.health.remote import RemoteToken, Scored
 from qladder.sampling import SamplingParams
 
 TWO_CHOICES_PAST = 8
-OUTLIER_FAILS = 3  # calls failed in a row, /health up, while a sibling answered: the endpoint is out
+OUTLIER_FAILS = 3  # calls failed in a row, /health up, each answered by a sibling: the endpoint is out
 OUTLIER_COOLDOWN_S = 10.0  # for this long before its /health may bring it back; doubled each time it is
 OUTLIER_COOLDOWN_MAX_S = 120.0  # ejected again before it answers a call, up to this
 T = TypeVar("T")
@@ -93,9 +92,7 @@ class Replicas:
         self._probes: dict[int, asyncio.Future[None]] = {}
         self.clock = clock
         n = len(endpoints)
-        self._streak = [0] * n  # calls failed in a row with /health up
-        self._streak_since = [0.0] * n  # when the first of them failed
-        self._last_ok = [float("-inf")] * n  # when the endpoint last answered a call
+        self._streak = [0] * n  # calls failed in a row with /health up that a sibling then answered
         self._times_out = [0] * n  # outlier ejections since it last answered a call
         self._out_until = [0.0] * n  # no rejoin before (an outlier's cooldown)
 
@@ -122,9 +119,10 @@ class Replicas:
                 for k, e in enumerate(self.endpoints)]
 
     # -- choosing an endpoint ------------------------------------------------------------------------
-    def pick(self) -> int | None:
-        """The healthy endpoint with the fewest streams in flight (None: none is healthy)."""
-        up = [k for k, ok in enumerate(self.healthy) if ok]
+    def pick(self, exclude: Sequence[int] = ()) -> int | None:
+        """The healthy endpoint with the fewest streams in flight, but those in `exclude` (None:
+        none is left)."""
+        up = [k for k, ok in enumerate(self.healthy) if ok and k not in exclude]
         if not up:
             return None
         if len(up) > TWO_CHOICES_PAST:
@@ -145,9 +143,11 @@ class Replicas:
         if not self.healthy[k]:
             self.healthy[k] = True
             self.rejoins += 1
+            self._streak[k] = 0
 
     def _may_rejoin(self, k: int) -> bool:
-        return self.clock() >= self._out_until[k]
+        """An outlier's cooldown is over, or no replica is left (better a suspect than none)."""
+        return self.clock() >= self._out_until[k] or not any(self.healthy)
 
     async def _probe(self, k: int) -> None:
         async with httpx.AsyncClient() as client:
@@ -167,45 +167,53 @@ class Replicas:
                 self._rejoin(k)
         return any(self.healthy)
 
-    def _answered(self, k: int) -> None:
-        """Endpoint k answered a call (a stream to its end, a score)."""
+    def _served(self, k: int, suspects: Sequence[int]) -> None:
+        """Endpoint k answered a call (a stream to its end or to the caller's close after a token,
+        a score): its blame is cleared, and each suspect (a replica that failed this same call
+        with its /health up) is blamed."""
         self._streak[k] = self._times_out[k] = 0
-        self._last_ok[k] = self.clock()
+        for j in suspects:
+            self._blame(j)
 
-    def _outlier(self, k: int) -> bool:
-        """Endpoint k failed a call with its /health up: whether that makes it an outlier (its
-        OUTLIER_FAILS-th failure in a row, a sibling in rotation having answered since the first),
-        and if so its cooldown."""
-        now = self.clock()
-        if self._streak[k] == 0:
-            self._streak_since[k] = now
+    def _blame(self, k: int) -> None:
+        """Endpoint k failed a call that a sibling then answered: its OUTLIER_FAILS-th time in a
+        row ejects it for its cooldown (unless half the replicas are out as outliers already)."""
+        if not self.healthy[k]:  # out already (a call in flight when it was ejected): no second count
+            return
         self._streak[k] += 1
-        if self._streak[k] < OUTLIER_FAILS or not any(
-                self.healthy[j] and self._last_ok[j] >= self._streak_since[k] for j in range(len(self.endpoints))
-                if j != k):
-            return False
+        now = self.clock()
+        outliers = sum(1 for j, until in enumerate(self._out_until) if not self.healthy[j] and until > now)
+        if self._streak[k] < OUTLIER_FAILS or outliers + 1 > len(self.endpoints) // 2:
+            return
         self._streak[k] = 0
         self._times_out[k] += 1
         self._out_until[k] = now + min(OUTLIER_COOLDOWN_MAX_S, OUTLIER_COOLDOWN_S * 2 ** (self._times_out[k] - 1))
-        return True
+        self.eject(k)
 
-    async def _servers_fault(self, client: httpx.AsyncClient, k: int, exc: Exception) -> None:
+    async def _servers_fault(self, client: httpx.AsyncClient, k: int, exc: Exception, suspects: list[int]) -> None:
         """Endpoint k failed a call (a refused or dropped connection, a 5xx, a stream cut short).
-        Whose failure: a server whose `/health` still answers failed this request (a 5xx that its
-        input causes would fail every sibling the same way), so it stays in rotation and the error
-        reaches the pool as the request's (a RemoteStreamError: a hazard, as for one server),
-        unless that makes it an outlier (`_outlier`). Otherwise the endpoint is ejected, and
-        EndpointsDownError says when none is left; the caller goes on at a sibling."""
-        if await self.endpoints[k].alive(client) and not self._outlier(k):
-            raise RemoteStreamError(f"{self.endpoints[k].base_url} failed this request and answers its "
-                                    f"/health: {exc}") from exc
+        Whose failure: a server whose `/health` fails too is down (ejected; EndpointsDownError
+        when none is left). One that still answers it is a suspect: the call goes on once at a
+        sibling, which blames it by answering (`_served`); a second replica that fails the same
+        call with its /health up says the call's input failed it (its error reaches the pool
+        as the request's: a RemoteStreamError, a hazard, as for one server), as does a rung with
+        no other replica to ask. Otherwise the caller goes on at a sibling."""
+        if await self.endpoints[k].alive(client):
+            if suspects or self.pick([k]) is None:
+                also = f" (as did {self.endpoints[suspects[0]].base_url})" if suspects else ""
+                raise RemoteStreamError(f"{self.endpoints[k].base_url} failed this request and answers its "
+                                        f"/health{also}: {exc}") from exc
+            suspects.append(k)
+            return
         self.eject(k)
         if not any(self.healthy):
             raise EndpointsDownError(f"every {self.name} replica is down ({self.base_url}): {exc}") from exc
 
-    def _next(self) -> int:
-        k = self.pick()
+    def _next(self, suspects: Sequence[int]) -> int:
+        k = self.pick(suspects)
         if k is None:
+            if any(self.healthy):  # (the suspect alone is left: the call is the request's failure)
+                raise RemoteStreamError(f"every healthy {self.name} replica failed this request ({self.base_url})")
             raise EndpointsDownError(f"no healthy {self.name} replica ({self.base_url})")
         return k
 
@@ -213,12 +221,14 @@ class Replicas:
     async def stream(self, client: httpx.AsyncClient, ids: list[int], params: SamplingParams,
                      n_remaining: int) -> AsyncGenerator[RemoteItem, None]:
         answered: list[int] = []  # the ids yielded so far (the pool accepted each before asking for more)
-        for attempt in range(len(self.endpoints)):  # at most one migration per endpoint ejected
-            k = self._next()
+        suspects: list[int] = []  # replicas that failed this stream with their /health up
+        for attempt in range(len(self.endpoints)):  # at most one migration per endpoint out or suspect
+            k = self._next(suspects)
             if attempt:  # the pool waits for the sibling's first token as for any first token
                 self.migrations += 1  # the same answer goes on at a sibling, from the ids it has
                 yield RemoteResumed()
             self.inflight[k] += 1
+            tokens = 0  # from k, not yet counted as served
             try:
                 stream = self.endpoints[k].stream(client, ids + answered, params,
                                                  max(1, n_remaining - len(answered)))
@@ -226,15 +236,21 @@ class Replicas:
                     async for item in items:
                         if isinstance(item, RemoteToken):
                             answered.append(item.token_id)
+                            tokens += 1
                         elif isinstance(item, RemoteEnd):  # (before the yield: the caller may close us there)
-                            self._answered(k)
+                            self._served(k, suspects)
+                            tokens = 0
                         yield item
                         if isinstance(item, RemoteEnd):
                             return
-                self._answered(k)
+                self._served(k, suspects)
                 return
+            except GeneratorExit:  # the caller closed the stream after k's tokens: k served them
+                if tokens:
+                    self._served(k, suspects)
+                raise
             except (httpx.TransportError, RemoteTransportError) as exc:
-                await self._servers_fault(client, k, exc)
+                await self._servers_fault(client, k, exc, suspects)
             finally:
                 self.inflight[k] -= 1
         raise self._lost("stream")
@@ -253,15 +269,16 @@ class Replicas:
         return await self._call(client, one)
 
     async def _call(self, client: httpx.AsyncClient, call: Callable[[LlamaServerRung | VllmRung], Awaitable[T]]) -> T:
+        suspects: list[int] = []
         for _ in range(len(self.endpoints)):
-            k = self._next()
+            k = self._next(suspects)
             self.inflight[k] += 1
             try:
                 result = await call(self.endpoints[k])
-                self._answered(k)
+                self._served(k, suspects)
                 return result
             except (httpx.TransportError, RemoteTransportError) as exc:
-                await self._servers_fault(client, k, exc)
+                await self._servers_fault(client, k, exc, suspects)
             finally:
                 self.inflight[k] -= 1
         raise self._lost("call")

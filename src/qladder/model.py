@@ -72,12 +72,14 @@ class ModelInfo:
         package (a fresh venv, a CI clone) or a patched copy with the same bytes would dequantize
         the GGUF again (~20 s) and leave another 500 MB folder behind."""
         st = self.path.stat()
-        return f"{self.path.stem}-{st.st_size}-{_digest(str(self.path), st.st_size, st.st_mtime_ns)[:20]}"
+        digest = _digest(str(self.path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+        return f"{self.path.stem}-{st.st_size}-{digest[:20]}"
 
 
 @functools.lru_cache(maxsize=32)
-def _digest(path: str, size: int, mtime_ns: int) -> str:
-    """A file's SHA-256 (size and mtime in the key: a file changed in place is hashed again)."""
+def _digest(path: str, size: int, mtime_ns: int, inode: int, ctime_ns: int) -> str:
+    """A file's SHA-256 (its stat in the key: a file changed in place, or replaced by a copy that
+    kept the mtime, is hashed again)."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 

@@ -41,7 +41,7 @@ def fp32_checkpoint(info: ModelInfo, cache_dir: Path) -> Path:
     process at a time: others starting together wait on a file lock, then read its result)."""
     from filelock import FileLock
 
-    target = cache_dir / "torch" / info.cache_key
+    target = cache_dir / "torch" / f"{info.cache_key}-{_converter()}"
     if _complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -49,6 +49,17 @@ def fp32_checkpoint(info: ModelInfo, cache_dir: Path) -> Path:
         if not _complete(target):
             _dequantize(info, target)
     return target
+
+
+CHECKPOINT_FORMAT = 1  # raised when _dequantize writes something else: older folders are not read
+
+
+def _converter() -> str:
+    """What wrote the checkpoint: its format and transformers' version (a newer converter may
+    dequantize or save differently)."""
+    from importlib.metadata import version
+
+    return f"f{CHECKPOINT_FORMAT}-tf{version('transformers')}"
 
 
 def _complete(target: Path) -> bool:

@@ -181,8 +181,9 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: st
 
 
 WORKER_ENV = "QLADDER_SERVE_WORKER"  # the folder (0700) where each worker reads what it builds
+SUPERVISOR_ENV = "QLADDER_SERVE_SUPERVISOR"  # the supervisor's pid: a retrying worker ends when it is gone
 _TOPOLOGY, _FAILED = "topology.pickle", "failed.txt"  # the topology and keys (0600); a worker's start-up failure
-_STARTED = "started"  # written by the first worker that built its server: the gateway serves
+_STARTED = "started"  # touched by each worker whose lifespan started: the gateway serves
 MAX_RESTART_WAIT_S = 30.0  # a restarted worker that cannot build tries again, backing off to this
 
 
@@ -228,13 +229,13 @@ def run_workers(t: Topology, api_keys: Sequence[str], workers: int, host: str = 
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             pickle.dump((t, tuple(api_keys)), f)
-        os.environ[WORKER_ENV] = folder
+        os.environ[WORKER_ENV], os.environ[SUPERVISOR_ENV] = folder, str(os.getpid())
         try:
             uvicorn.run("qladder.server.serve:worker_app", factory=True, host=host, port=port, workers=workers,
                         log_level=log_level, access_log=False, lifespan="on",
                         timeout_graceful_shutdown=max(1, round(t.server.drain_timeout_s)))
         finally:
-            del os.environ[WORKER_ENV]
+            del os.environ[WORKER_ENV], os.environ[SUPERVISOR_ENV]
         failed = Path(folder) / _FAILED
         if failed.exists():
             why = failed.read_text(errors="replace").splitlines() or ["(no reason written)"]
@@ -252,7 +253,7 @@ def worker_app() -> Any:
     import os
 
     folder = Path(os.environ[WORKER_ENV])
-    parent = os.getppid()
+    parent = int(os.environ.get(SUPERVISOR_ENV) or os.getppid())  # (getppid is 1 once it is gone)
 
     def stop(sig: int, frame: Any) -> None:  # uvicorn's own handler only sets a flag its loop reads
         raise SystemExit(0)
@@ -261,6 +262,10 @@ def worker_app() -> Any:
     # set a flag, and a worker retrying below would never read it (the supervisor joins it forever).
     held = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        # A signal between uvicorn's handlers and these (while this module was imported) only set
+        # uvicorn's flag: read it, or the worker would build (and retry) past its own stop.
+        if any(getattr(getattr(h, "__self__", None), "should_exit", False) for h in held.values()):
+            raise SystemExit(0)
         server = _build_retrying(folder, parent)
     finally:
         for sig, handler in held.items():

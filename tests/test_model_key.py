@@ -36,3 +36,24 @@ def test_the_cache_key_is_the_files_contents_not_its_mtime(tmp_path):
         f.write(bytes([last[0] ^ 1]))
     os.utime(a.path, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**12))
     assert a.cache_key == c.cache_key != b.cache_key
+
+
+def test_a_file_replaced_by_another_with_the_same_size_and_mtime_gets_its_own_key(tmp_path):
+    """The digest is memoized by the file's stat: a copy that kept the mtime (cp -p, rsync -t)
+    moved over the file is another inode, so it is hashed again."""
+    info = inspect_model()
+    src = bundled_model_path()
+    dst, other = tmp_path / src.name, tmp_path / "other.gguf"
+    shutil.copyfile(src, dst)
+    before = dataclasses.replace(info, path=dst).cache_key
+    shutil.copyfile(src, other)
+    with open(other, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    st = dst.stat()
+    os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(other, dst)
+    assert (dst.stat().st_size, dst.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    assert dataclasses.replace(info, path=dst).cache_key != before

@@ -63,6 +63,8 @@ class FakeEndpoint:
 
     async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[Scored]:
         self.calls += 1
+        if self.broken_after is not None:
+            raise RemoteTransportError(f"{self.base_url} answered HTTP 500")
         if self.fail_after is not None:
             self.fail_after = None
             raise RemoteTransportError(f"{self.base_url} answered HTTP 500")
@@ -224,7 +226,7 @@ def test_a_server_that_fails_every_call_and_answers_its_health_is_ejected_for_a_
             await asyncio.sleep(0.01)
             if r.healthy[0]:
                 break
-        assert r.healthy == [True, True] and r.rejoins == 1
+        assert r.healthy == [True, True] and r.rejoins == 1 and r._out_until[0] == 0.0
         for _ in range(OUTLIER_FAILS):  # still broken: out again, for twice as long
             await collect(r, 6)
         assert r.healthy == [False, True] and r._out_until[0] == clock() + 2 * OUTLIER_COOLDOWN_S
@@ -283,5 +285,104 @@ def test_at_most_half_the_replicas_are_out_as_outliers():
             for k in (0, 1, 2):
                 r._blame(k)
         assert r.healthy == [False, False, True, True]  # the third, blamed as often: two of four are out
+
+    asyncio.run(go())
+
+
+def test_at_most_half_counts_outliers_whose_cooldown_is_over_and_not_yet_back():
+    """Two of four out as outliers, their cooldown over, their /health still down: they are
+    still out, so a third replica blamed as often stays in."""
+    clock = Clock()
+    eps = [FakeEndpoint(f"http://{c}", up=c not in "ab") for c in "abcd"]
+    r = Replicas(eps, probe_every_s=0.01, clock=clock)  # type: ignore[arg-type]
+
+    async def go() -> None:
+        for _ in range(OUTLIER_FAILS):
+            r._blame(0)
+            r._blame(1)
+        assert r.healthy == [False, False, True, True]
+        clock.t += 10 * OUTLIER_COOLDOWN_S
+        await asyncio.sleep(0.05)  # their probes ask /health: down, so they stay out
+        assert r.healthy == [False, False, True, True]
+        for _ in range(OUTLIER_FAILS):
+            r._blame(2)
+        assert r.healthy == [False, False, True, True]
+
+    asyncio.run(go())
+
+
+def test_two_broken_replicas_of_three_are_blamed_and_every_answer_is_whole():
+    """Two replicas broken behind a /health that says 200, one good: a request fails at the
+    first, then the second (each with its /health up), and goes on at the third, which blames
+    both. One request at a time, every answer is whole; one of the two is out (at most half)."""
+    clock = Clock()
+    bad = [FakeEndpoint("http://a", broken_after=1), FakeEndpoint("http://b", broken_after=2)]
+    good = FakeEndpoint("http://c")
+    r = Replicas([*bad, good], probe_every_s=0.01, clock=clock)  # type: ignore[list-item]
+
+    async def go() -> None:
+        for _ in range(3 * OUTLIER_FAILS):
+            items = await collect(r, 6)
+            assert tokens(items) == unbroken(6)
+        assert r.healthy == [False, True, True] and r.ejections == 1
+        assert r._streak[1] >= OUTLIER_FAILS  # blamed each time, kept in by the cap
+
+    asyncio.run(go())
+    four = Replicas([FakeEndpoint("http://a", broken_after=1), FakeEndpoint("http://b", broken_after=0),  # type: ignore[list-item]
+                     FakeEndpoint("http://c"), FakeEndpoint("http://d")], probe_every_s=0.01, clock=Clock())
+
+    async def burst() -> list[list[object]]:
+        async with httpx.AsyncClient() as client:
+            async def one() -> list[object]:
+                return [i async for i in four.stream(client, [1, 2, 3], SamplingParams(max_tokens=6), 6)]
+            return list(await asyncio.gather(*[one() for _ in range(4 * OUTLIER_FAILS)]))
+
+    assert all(tokens(items) == unbroken(6) for items in asyncio.run(burst()))
+    assert four.healthy == [False, False, True, True]
+
+
+def test_a_call_that_every_tried_replica_fails_blames_none_and_names_them():
+    r = Replicas([FakeEndpoint(f"http://{c}", broken_after=1) for c in "abc"], probe_every_s=0.01,  # type: ignore[misc]
+                 clock=Clock())
+    with pytest.raises(RemoteStreamError) as err:
+        asyncio.run(collect(r, 6))
+    assert "as did http://a, http://b" in str(err.value) and r._streak == [0, 0, 0]
+    assert [e.streams for e in r.endpoints] == [1, 1, 1]  # type: ignore[attr-defined]
+
+
+def test_a_stream_closed_after_a_siblings_tokens_blames_the_replica_that_failed_it():
+    """The caller read a token of the sibling's and closed the stream: the sibling answered,
+    so the replica that failed the call first is blamed, and the sibling's own blame is cleared."""
+    bad, good = FakeEndpoint("http://a", broken_after=2), FakeEndpoint("http://b")
+    r = replicas(bad, good)
+    r._streak[1] = 2
+
+    async def go() -> list[int]:
+        got: list[int] = []
+        async with httpx.AsyncClient() as client:
+            stream = r.stream(client, [1, 2, 3], SamplingParams(max_tokens=12), 12)
+            async for item in stream:
+                if isinstance(item, RemoteToken):
+                    got.append(item.token_id)
+                    if len(got) == 3:  # the sibling's first
+                        break
+            await stream.aclose()
+        return got
+
+    assert asyncio.run(go()) == unbroken(3)
+    assert r._streak == [1, 0] and r.inflight == [0, 0]
+
+
+def test_a_score_that_a_replica_fails_with_its_health_up_blames_it_when_a_sibling_answers():
+    clock = Clock()
+    bad, good = FakeEndpoint("http://a", broken_after=0), FakeEndpoint("http://b")
+    r = Replicas([bad, good], probe_every_s=0.01, clock=clock)  # type: ignore[list-item]
+
+    async def go() -> None:
+        async with httpx.AsyncClient() as client:
+            for i in range(OUTLIER_FAILS):
+                assert [s.rank for s in await r.score(client, [1], [4, 5])] == [1, 1]
+                assert r._streak[0] == (i + 1) % OUTLIER_FAILS
+        assert r.healthy == [False, True] and (bad.calls, good.calls) == (OUTLIER_FAILS, OUTLIER_FAILS)
 
     asyncio.run(go())

@@ -12,13 +12,17 @@ flight (past 8 endpoints, the better of two picked at random: power of two choic
 A server that fails a call and still answers `/health` is either broken behind a `/health` that
 says 200 (a broken slot, a full disk, a proxy answering 500: an outlier, as Envoy's outlier
 detection calls it) or was failed by the request (its input would fail every sibling alike).
-The call says which: it goes on once at a sibling. If the sibling fails it too, the failure is
-the request's: its error reaches the pool (a RemoteStreamError: a hazard, as from a single
-server) and no replica is blamed. If the sibling answers, the first server is blamed; blamed
-OUTLIER_FAILS times in a row (an answer of its own clears them), it is ejected for
+The call says which: it goes on at a sibling that has not failed it, as long as at most
+`max_suspects` (n // 2 + 1) replicas have (two broken replicas of three still leave the third
+to answer). If every replica it tried fails it, the failure is the request's: its error
+reaches the pool (a RemoteStreamError: a hazard, as from a single server) and no replica is
+blamed. If a sibling answers, each replica that failed the call is blamed; blamed
+OUTLIER_FAILS times in a row (an answer of its own clears them), one is ejected for
 OUTLIER_COOLDOWN_S, doubled each time it is ejected again before it answers a call (up to
 OUTLIER_COOLDOWN_MAX_S), and no `/health` brings it back sooner unless no replica is left. At
-most half the replicas are out as outliers at once.
+most half the replicas are out as outliers at once. A stream the caller closes after a
+replica's tokens counts as answered (the caller had what it asked for): a replica that fails
+only past the tokens callers read is not found out by this.
 
 An answer survives its server: when an endpoint fails mid-stream, the stream continues on a
 healthy sibling from the ids it has already yielded (prompt + the answer so far, the budget
@@ -95,6 +99,8 @@ class Replicas:
         self._streak = [0] * n  # calls failed in a row with /health up that a sibling then answered
         self._times_out = [0] * n  # outlier ejections since it last answered a call
         self._out_until = [0.0] * n  # no rejoin before (an outlier's cooldown)
+        self._outlier = [False] * n  # out as an outlier (not as down), until it rejoins
+        self.max_suspects = n // 2 + 1  # replicas that may fail one call, /health up, and it still goes on
 
     # -- what the pool reads -------------------------------------------------------------------------
     @property
@@ -144,6 +150,7 @@ class Replicas:
             self.healthy[k] = True
             self.rejoins += 1
             self._streak[k] = 0
+        self._outlier[k], self._out_until[k] = False, 0.0
 
     def _may_rejoin(self, k: int) -> bool:
         """An outlier's cooldown is over, or no replica is left (better a suspect than none)."""
@@ -181,26 +188,26 @@ class Replicas:
         if not self.healthy[k]:  # out already (a call in flight when it was ejected): no second count
             return
         self._streak[k] += 1
-        now = self.clock()
-        outliers = sum(1 for j, until in enumerate(self._out_until) if not self.healthy[j] and until > now)
-        if self._streak[k] < OUTLIER_FAILS or outliers + 1 > len(self.endpoints) // 2:
+        if self._streak[k] < OUTLIER_FAILS or sum(self._outlier) + 1 > len(self.endpoints) // 2:
             return
         self._streak[k] = 0
         self._times_out[k] += 1
-        self._out_until[k] = now + min(OUTLIER_COOLDOWN_MAX_S, OUTLIER_COOLDOWN_S * 2 ** (self._times_out[k] - 1))
+        cooldown = min(OUTLIER_COOLDOWN_MAX_S, OUTLIER_COOLDOWN_S * 2 ** (self._times_out[k] - 1))
+        self._out_until[k], self._outlier[k] = self.clock() + cooldown, True
         self.eject(k)
 
     async def _servers_fault(self, client: httpx.AsyncClient, k: int, exc: Exception, suspects: list[int]) -> None:
         """Endpoint k failed a call (a refused or dropped connection, a 5xx, a stream cut short).
         Whose failure: a server whose `/health` fails too is down (ejected; EndpointsDownError
-        when none is left). One that still answers it is a suspect: the call goes on once at a
-        sibling, which blames it by answering (`_served`); a second replica that fails the same
-        call with its /health up says the call's input failed it (its error reaches the pool
-        as the request's: a RemoteStreamError, a hazard, as for one server), as does a rung with
-        no other replica to ask. Otherwise the caller goes on at a sibling."""
+        when none is left). One that still answers it is a suspect, and the caller goes on at a
+        healthy sibling that has not failed this call; a sibling that answers blames every
+        suspect (`_served`). When more than `max_suspects` replicas have failed it with their
+        /health up, or no untried one is left, the call's input failed them: its error reaches the pool as
+        the request's (a RemoteStreamError, a hazard, as for one server) and nobody is blamed."""
         if await self.endpoints[k].alive(client):
-            if suspects or self.pick([k]) is None:
-                also = f" (as did {self.endpoints[suspects[0]].base_url})" if suspects else ""
+            if len(suspects) + 1 > self.max_suspects or self.pick([*suspects, k]) is None:
+                also = (" (as did " + ", ".join(self.endpoints[j].base_url for j in suspects) + ")"
+                        if suspects else "")
                 raise RemoteStreamError(f"{self.endpoints[k].base_url} failed this request and answers its "
                                         f"/health{also}: {exc}") from exc
             suspects.append(k)
@@ -210,9 +217,10 @@ class Replicas:
             raise EndpointsDownError(f"every {self.name} replica is down ({self.base_url}): {exc}") from exc
 
     def _next(self, suspects: Sequence[int]) -> int:
+        """Where the call goes (on): a healthy replica that has not failed it."""
         k = self.pick(suspects)
         if k is None:
-            if any(self.healthy):  # (the suspect alone is left: the call is the request's failure)
+            if any(self.healthy):  # (only replicas that failed this call are left: the request's failure)
                 raise RemoteStreamError(f"every healthy {self.name} replica failed this request ({self.base_url})")
             raise EndpointsDownError(f"no healthy {self.name} replica ({self.base_url})")
         return k
@@ -284,9 +292,9 @@ class Replicas:
         raise self._lost("call")
 
     def _lost(self, what: str) -> RemoteTransportError:
-        """A stream or call that lost as many replicas in a row as the rung has, while one rejoined
-        (none left in rotation: `_servers_fault` raised EndpointsDownError before): this request
-        failed, not the rung."""
+        """A stream or call that tried as many replicas as the rung has and lost each (ejected as
+        down or suspected) while one rejoined meanwhile (none left in rotation: `_servers_fault`
+        raised EndpointsDownError before): this request failed, not the rung."""
         return RemoteTransportError(f"a {self.name} {what} lost {len(self.endpoints)} replicas in a row "
                                     f"({self.base_url})")
 

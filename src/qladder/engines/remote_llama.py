@@ -50,11 +50,17 @@ class LlamaServerRung(HttpRung):
 
     def body(self, ids: list[int], params: SamplingParams, n_remaining: int) -> dict[str, object]:
         """The /completion request that continues `ids`: the server samples with the request's own
-        settings (its extra samplers off), and streams each token with its top-k logprobs."""
+        settings (its extra samplers off), and streams each token with its top-k logprobs.
+
+        A greedy answer is sent with top_k 1: the same argmax, and llama-server's sampler chain
+        then runs on one candidate instead of the whole vocabulary (its reported logprobs are taken
+        before sampling, from every logit, either way). Measured on one 1-thread replica, 8
+        clients: about 4% more tokens/s (bench/llama_server_nprobs.py)."""
         return {"prompt": ids, "n_predict": n_remaining, "stream": True, "return_tokens": True,
                 "n_probs": max(self.n_probs, params.logprobs or 0), "temperature": params.temperature,
-                "top_p": params.top_p, "top_k": params.top_k, "min_p": 0.0, "seed": params.seed % (2**32),
-                "repeat_penalty": 1.0, "cache_prompt": True, "ignore_eos": params.ignore_eos}
+                "top_p": params.top_p, "top_k": 1 if params.greedy else params.top_k, "min_p": 0.0,
+                "seed": params.seed % (2**32), "repeat_penalty": 1.0, "cache_prompt": True,
+                "ignore_eos": params.ignore_eos}
 
     async def stream(self, client: httpx.AsyncClient, ids: list[int], params: SamplingParams,
                      n_remaining: int) -> AsyncGenerator[RemoteToken | RemoteEnd, None]:

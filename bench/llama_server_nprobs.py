@@ -58,22 +58,24 @@ def main() -> None:
                for p in normal_prompts(n_per_class=4) if isinstance(p.prompt, str)]
     vocab.close()
     server = LlamaServer(info.path, n_parallel=clients, threads=1, n_ctx_per_slot=2048).start()
-    rung = LlamaServerRung(info, server.base_url)
-    greedy = SamplingParams(max_tokens=64)
-    bodies: dict[str, Callable[[list[int]], dict[str, Any]]] = {
-        "client": lambda ids: {"prompt": ids, "n_predict": 64, "temperature": 0, "cache_prompt": True},
-        "rung": lambda ids: {**rung.body(ids, greedy, 64), "stream": False},
-        "rung_top_k0": lambda ids: {**rung.body(ids, greedy, 64), "stream": False, "top_k": 0},
-    }
-    names = list(bodies)
+    rung: LlamaServerRung | None = None
     try:
+        rung = live = LlamaServerRung(info, server.base_url)
+        greedy = SamplingParams(max_tokens=64)
+        bodies: dict[str, Callable[[list[int]], dict[str, Any]]] = {
+            "client": lambda ids: {"prompt": ids, "n_predict": 64, "temperature": 0, "cache_prompt": True},
+            "rung": lambda ids: {**live.body(ids, greedy, 64), "stream": False},
+            "rung_top_k0": lambda ids: {**live.body(ids, greedy, 64), "stream": False, "top_k": 0},
+        }
+        names = list(bodies)
         asyncio.run(window(server.base_url, prompts, bodies["client"], clients, 3.0))  # warm-up
         rates: dict[str, list[float]] = {n: [] for n in names}
         for r in range(rounds):
             for n in (names if r % 2 == 0 else names[::-1]):
                 rates[n].append(asyncio.run(window(server.base_url, prompts, bodies[n], clients, seconds)))
     finally:
-        rung.close()
+        if rung is not None:
+            rung.close()
         server.stop()
 
     def ratios(a: str, b: str) -> list[float]:

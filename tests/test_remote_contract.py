@@ -131,3 +131,18 @@ def test_a_rung_that_can_score_gives_the_draft_its_own_likelihood(rung, model_in
     odd = asyncio.run(score([rung.tokenize(" zebra", False)[0]] * 8))
     assert sum(s.logprob for s in odd) < sum(s.logprob for s in own) - 10  # a draft it would not write
     assert odd[0].rank > 1  # is far less likely, and not its argmax
+
+
+def test_a_greedy_answer_asks_llama_server_for_top_k_1_and_a_sampled_one_for_its_own():
+    """The same argmax with the sampler chain on one candidate (the n_probs come from every logit
+    before sampling either way); a sampled answer keeps the request's top_k."""
+    from types import SimpleNamespace
+
+    from qladder.sampling import SamplingParams
+
+    rung = SimpleNamespace(n_probs=4)
+    greedy = LlamaServerRung.body(rung, [1, 2], SamplingParams(max_tokens=8), 8)  # type: ignore[arg-type]
+    sampled = LlamaServerRung.body(rung, [1, 2], SamplingParams(temperature=0.7, top_k=20, max_tokens=8),  # type: ignore[arg-type]
+                                   8)
+    assert (greedy["top_k"], greedy["n_probs"], greedy["temperature"]) == (1, 4, 0.0)
+    assert (sampled["top_k"], sampled["temperature"]) == (20, 0.7)

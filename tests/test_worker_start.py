@@ -6,6 +6,7 @@ table; the whole command's SIGTERM and kill tests are in test_workers.py."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 
 import pytest
@@ -62,7 +63,9 @@ def test_a_retrying_worker_ends_when_its_supervisor_is_gone(tmp_path, monkeypatc
             raise AssertionError(f"still retrying after {waits}")
 
     monkeypatch.setattr(time, "sleep", sleep)
-    monkeypatch.setenv(serve.SUPERVISOR_ENV, "1")  # (our parent is pytest's, not init)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    monkeypatch.setenv(serve.SUPERVISOR_ENV, str(gone.pid))  # a supervisor that has exited
     with pytest.raises(SystemExit) as stopped:
         serve.worker_app()
     assert stopped.value.code == 0 and waits == [1.0]

@@ -14,7 +14,9 @@ says 200 (a broken slot, a full disk, a proxy answering 500: an outlier, as Envo
 detection calls it) or was failed by the request (its input would fail every sibling alike).
 The call says which: it goes on at a sibling that has not failed it, as long as at most
 `max_suspects` (n // 2 + 1) replicas have (two broken replicas of three still leave the third
-to answer). If every replica it tried fails it, the failure is the request's: its error
+to answer; more broken than that behind a 200 /health looks like a request that fails every
+replica, and each request fails as its own, blaming none: a known limit). If every replica it
+tried fails it, the failure is the request's: its error
 reaches the pool (a RemoteStreamError: a hazard, as from a single server) and no replica is
 blamed. If a sibling answers, each replica that failed the call is blamed; blamed
 OUTLIER_FAILS times in a row (an answer of its own clears them), one is ejected for

@@ -55,7 +55,8 @@ class LlamaServerRung(HttpRung):
         A greedy answer is sent with top_k 1: the same argmax, and llama-server's sampler chain
         then runs on one candidate instead of the whole vocabulary (its reported logprobs are taken
         before sampling, from every logit, either way). Measured on one 1-thread replica, 8
-        clients: about 4% more tokens/s (bench/llama_server_nprobs.py)."""
+        clients: 1.032x the tokens/s of top_k 0 (bench/llama_server_nprobs.py; its result is
+        bench/results/llama-server-nprobs-2026-12-05)."""
         return {"prompt": ids, "n_predict": n_remaining, "stream": True, "return_tokens": True,
                 "n_probs": max(self.n_probs, params.logprobs or 0), "temperature": params.temperature,
                 "top_p": params.top_p, "top_k": 1 if params.greedy else params.top_k, "min_p": 0.0,

@@ -121,6 +121,17 @@ def vllm_server(model_info, settings, tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server on a free port in a temp dir (make install puts it there), for the
+    session; each test writes under a prefix of its own."""
+    from qladder.peers.stores import RedisServer
+
+    server = RedisServer().start()
+    yield server
+    server.close()
+
+
 @contextlib.contextmanager
 def live_app(app) -> Iterator[str]:
     """A real uvicorn server on a free loopback port, in a thread, for the block: yields its /v1 URL."""

@@ -181,6 +181,53 @@ def test_every_replica_killed_mid_stream_the_answers_climb_and_the_rung_is_down_
             s.stop()
 
 
+def test_a_replica_one_gateway_ejects_is_out_at_its_peer_through_redis(model_info, settings, redis_server, tmp_path):
+    """Two gateways (`qladder serve`'s build, [state] on a real Redis) over two real llama-servers;
+    replica 0 is killed. A request at A finds it dead (refused, /health down): ejected, the answer
+    goes on at replica 1. After a sync each, B's request never tries replica 0 (no migration: B's
+    least-in-flight pick would take it first) and B's /metrics says it heard the ejection; both
+    gateways' own probes bring it back after its restart."""
+    from fastapi.testclient import TestClient
+
+    from qladder.server.serve import build_server
+
+    servers = [LlamaServer(model_info.path, n_parallel=1, threads=1, n_ctx_per_slot=1024).start() for _ in range(2)]
+    t = parse_topology({"server": {"incidents": str(tmp_path / "incidents.sqlite3")},
+                        "pools": [{"name": "edge", "rungs": ["llama-server"], "urls": [s.base_url for s in servers],
+                                   "slots": 2, "weight": 1.0}],
+                        "state": {"backend": "redis", "url": redis_server.url, "prefix": f"e{time.monotonic_ns()}:",
+                                  "sync_s": 3600}})
+    gateways = []
+    try:
+        gateways = [build_server(t, settings) for _ in range(2)]
+        a, b = gateways
+        servers[0].proc.kill()
+        ask = {"model": "smollm2-135m-instruct", "max_tokens": 6, "temperature": 0,
+               "messages": [{"role": "user", "content": "Name three colors."}]}
+        with TestClient(a.app) as http_a, TestClient(b.app) as http_b:
+            first = http_a.post("/v1/chat/completions", json=ask)
+            assert first.status_code == 200 and first.json()["qladder"]["hazards"] == []
+            rung_a, rung_b = a.engine.int4, b.engine.int4
+            assert isinstance(rung_a, Replicas) and isinstance(rung_b, Replicas)
+            assert (rung_a.healthy, rung_a.migrations, rung_a.heard) == ([False, True], 1, 0)
+            assert a.gateway.state is not None and b.gateway.state is not None
+            assert a.gateway.state.sync_now() and b.gateway.state.sync_now()
+            second = http_b.post("/v1/chat/completions", json=ask)
+            assert second.status_code == 200 and second.json()["choices"][0]["message"]["content"] == \
+                first.json()["choices"][0]["message"]["content"]
+            assert (rung_b.healthy, rung_b.migrations, rung_b.heard) == ([False, True], 0, 1)
+            assert 'qladder_endpoint_events{pool="edge",what="heard"} 1.0' in http_b.get("/metrics").text
+            port = servers[0].port
+            servers[0].stop()
+            servers[0] = LlamaServer(model_info.path, n_parallel=1, threads=1, n_ctx_per_slot=1024, port=port).start()
+            _wait(lambda: rung_a.healthy == rung_b.healthy == [True, True], "both gateways to take it back", 10)
+    finally:
+        for g in gateways:
+            g.close()
+        for s in servers:
+            s.stop()
+
+
 def test_a_pool_takes_url_or_urls_not_both():
     base = {"name": "edge", "rungs": ["llama-server"], "weight": 1.0, "handoff_to": "gpu"}
     gpu = {"name": "gpu", "rungs": ["fp32"]}

@@ -24,13 +24,6 @@ CONFIG = BreakerConfig(window_s=30, min_requests=4, max_hazard_rate=0.5, open_s=
 MODEL = "smollm2-135m-instruct"
 
 
-@pytest.fixture(scope="module")
-def redis_server():
-    server = RedisServer().start()
-    yield server
-    server.close()
-
-
 class Gateway:
     """What one gateway shares: its breaker, its quarantine and its state sync."""
 

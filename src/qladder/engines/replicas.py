@@ -41,6 +41,12 @@ the token ids: a request with state outside them (grammar-constrained decoding, 
 does not send) could not be migrated. A malformed chunk or an error chunk is not a transport
 failure (the answer may be what broke it): it reaches the pool as before.
 
+Gateways that share state (`[state] backend = "redis"`) share endpoint health too, through an
+`EndpointBoard` (engines/endpoint_board.py): each ejection and rejoin here is posted to it, and
+an ejection a peer gateway posted (newer than what this gateway knew of the endpoint) ejects it
+here as well, an outlier's for the same cooldown (within the at-most-half cap); this gateway's own
+probe brings it back.
+
 Owned by the remote pool's loop thread: `stream`, the counters and the probes run only there
 (the engine's `stats` reads the counters for metrics, as it reads the pool's).
 """
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -56,6 +63,7 @@ from typing import TypeVar
 
 import httpx
 
+from qladder.engines.endpoint_board import EndpointBoard, EndpointNews
 from qladder.engines.remote import RemoteEnd, RemoteItem, RemoteResumed
 from qladder.engines.remote_llama import LlamaServerRung
 from qladder.engines.remote_vllm import Verdict, VllmRung
@@ -67,6 +75,7 @@ TWO_CHOICES_PAST = 8
 OUTLIER_FAILS = 3  # calls failed in a row, /health up, each answered by a sibling: the endpoint is out
 OUTLIER_COOLDOWN_S = 10.0  # for this long before its /health may bring it back; doubled each time it is
 OUTLIER_COOLDOWN_MAX_S = 120.0  # ejected again before it answers a call, up to this
+NEWS_FRESH_S = 10.0  # a peer's ejection (not an outlier's cooldown) older than this is not acted on
 T = TypeVar("T")
 
 
@@ -74,7 +83,10 @@ class Replicas:
     """A RemoteRung over several endpoints of one kind (all llama-server, or all vLLM)."""
 
     def __init__(self, endpoints: Sequence[LlamaServerRung | VllmRung], probe_every_s: float = 1.0,
-                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic):
+                 rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic,
+                 board: EndpointBoard | None = None, wall: Callable[[], float] = time.time):
+        """board: the gateway's shared endpoint news (None: this gateway alone); wall: the
+        wall clock the news is stamped with (gateways compare it)."""
         if not endpoints:
             raise ConfigError("a pool of replicas needs at least one url")
         first = endpoints[0]
@@ -94,6 +106,7 @@ class Replicas:
         self.migrations = 0  # streams continued on a sibling after their endpoint failed
         self.ejections = 0  # endpoints taken out of rotation (each until its /health answers)
         self.rejoins = 0
+        self.heard = 0  # ejections on a peer gateway's word (counted in `ejections` too)
         self._rng = rng or random.Random(0)
         self._probes: dict[int, asyncio.Future[None]] = {}
         self.clock = clock
@@ -103,6 +116,10 @@ class Replicas:
         self._out_until = [0.0] * n  # no rejoin before (an outlier's cooldown)
         self._outlier = [False] * n  # out as an outlier (not as down), until it rejoins
         self.max_suspects = n // 2 + 1  # replicas that may fail one call, /health up, and it still goes on
+        self.board, self.wall = board, wall
+        self._index = {e.base_url: k for k, e in enumerate(endpoints)}
+        self._known_at = [0.0] * n  # the wall time of the newest event known for each (own or a peer's)
+        self._board_version = 0
 
     # -- what the pool reads -------------------------------------------------------------------------
     @property
@@ -137,12 +154,14 @@ class Replicas:
             up = self._rng.sample(up, 2)
         return min(up, key=lambda k: (self.inflight[k], k))
 
-    def eject(self, k: int) -> None:
+    def eject(self, k: int, post: bool = True) -> None:
         """Endpoint k failed a stream: out of rotation, probed until it answers (the loop thread;
-        one probe per endpoint)."""
+        one probe per endpoint). post: tell the peer gateways (not for news heard from them)."""
         if self.healthy[k]:
             self.healthy[k] = False
             self.ejections += 1
+            if post:
+                self._post(k, down=True)
         probe = self._probes.get(k)
         if probe is None or probe.done():
             self._probes[k] = asyncio.ensure_future(self._probe(k))
@@ -152,7 +171,38 @@ class Replicas:
             self.healthy[k] = True
             self.rejoins += 1
             self._streak[k] = 0
+            self._post(k, down=False)
         self._outlier[k], self._out_until[k] = False, 0.0
+
+    def _post(self, k: int, down: bool) -> None:
+        if self.board is None:
+            return
+        at = self._known_at[k] = max(self.wall(), math.nextafter(self._known_at[k], math.inf))  # (each newer)
+        until = at + max(0.0, self._out_until[k] - self.clock()) if down and self._outlier[k] else 0.0
+        self.board.post(EndpointNews(self.endpoints[k].base_url, down, at, until))
+
+    def _listen(self) -> None:
+        """Apply what peer gateways posted since the last look: an ejection newer than what this
+        gateway knew of the endpoint ejects it here (an outlier's to the same wall-clock end of
+        its cooldown, unless half the replicas are out as outliers here already)."""
+        if self.board is None:
+            return
+        version, news = self.board.heard_since(self._board_version)
+        self._board_version = version
+        for n in news:
+            k = self._index.get(n.url)
+            if k is None or n.at <= self._known_at[k]:
+                continue
+            self._known_at[k] = n.at
+            left = n.until - self.wall()
+            if not n.down or not self.healthy[k] or (left <= 0 and n.at < self.wall() - NEWS_FRESH_S):
+                continue  # (an old outage: a gateway that joins later finds it out on its own)
+            if left > 0:
+                if sum(self._outlier) + 1 > len(self.endpoints) // 2:
+                    continue
+                self._outlier[k], self._out_until[k] = True, self.clock() + left
+            self.heard += 1
+            self.eject(k, post=False)
 
     def _may_rejoin(self, k: int) -> bool:
         """An outlier's cooldown is over, or no replica is left (better a suspect than none)."""
@@ -220,6 +270,7 @@ class Replicas:
 
     def _next(self, suspects: Sequence[int]) -> int:
         """Where the call goes (on): a healthy replica that has not failed it."""
+        self._listen()
         k = self.pick(suspects)
         if k is None:
             if any(self.healthy):  # (only replicas that failed this call are left: the request's failure)

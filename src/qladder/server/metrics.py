@@ -98,13 +98,14 @@ class ServerMetrics:
         endpoints = Gauge("qladder_endpoints", "A pool of replicas' endpoints, by health", ["pool", "health"],
                           registry=r)
         moves = Gauge("qladder_endpoint_events", "A pool of replicas: streams continued on a sibling after their "
-                      "endpoint failed (migrations), endpoints ejected, endpoints that rejoined", ["pool", "what"],
+                      "endpoint failed (migrations), endpoints ejected (heard: of those, on a peer gateway's word), "
+                      "endpoints that rejoined", ["pool", "what"],
                       registry=r)
         for kind, name in pools.items():
             if f"{kind}_endpoints" in stats():
                 endpoints.labels(name, "healthy").set_function(read(f"{kind}_endpoints_healthy"))
                 endpoints.labels(name, "all").set_function(read(f"{kind}_endpoints"))
-                for what in ("migrations", "ejections", "rejoins"):
+                for what in ("migrations", "ejections", "heard", "rejoins"):
                     moves.labels(name, what).set_function(read(f"{kind}_{what}"))
         windows = Gauge("qladder_checked_windows", "In-process drift windows of greedy INT4 answers: scored by "
                         "the standby, refused by the drift rule, answers admitted unchecked (standby full)",

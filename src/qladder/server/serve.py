@@ -21,6 +21,7 @@ from typing import Any
 from qladder.audit import DriftWatch
 from qladder.client import EngineClient
 from qladder.config import Settings
+from qladder.engines.endpoint_board import EndpointBoard
 from qladder.engines.llamacpp import LlamaVocab
 from qladder.health.guard import GUARD_PRESETS
 from qladder.incidents import IncidentBackend, IncidentWriter, is_postgres_url, open_incident_store
@@ -106,12 +107,13 @@ def build_server(t: Topology, settings: Settings | None = None, api_keys: Sequen
         target = str(Path(target).expanduser()) if target else str(settings.cache_dir / "incidents.sqlite3")
     store = open_incident_store(target, redact=t.server.redact)
     writer = IncidentWriter(store, on_commit=metrics.incidents_committed.inc)
+    board = EndpointBoard() if t.state.shared else None  # replicas' health, shared with peer gateways
     engine = ServingEngine(serving_config(t, settings), model=t.model.path or None, settings=settings,
-                           incidents=writer, standby_engines=standby_engines)
+                           incidents=writer, standby_engines=standby_engines, endpoints=board)
     engine.add_audit_observer(writer.audit)  # audits are stored beside the incidents
     try:
         vocab = LlamaVocab(engine.info)
-        gw, app = assemble(engine, engine.info, vocab, t, metrics, api_keys, clock)
+        gw, app = assemble(engine, engine.info, vocab, t, metrics, api_keys, clock, board)
     except BaseException:
         engine.close()
         writer.close()
@@ -121,8 +123,10 @@ def build_server(t: Topology, settings: Settings | None = None, api_keys: Sequen
 
 
 def assemble(client: EngineClient, info: ModelInfo, vocab: LlamaVocab, t: Topology, metrics: ServerMetrics,
-             api_keys: Sequence[str] = (), clock: Any = time.monotonic) -> tuple[Gateway, Any]:
-    """The gateway and the FastAPI app over any EngineClient (the real engine, or a test's fake)."""
+             api_keys: Sequence[str] = (), clock: Any = time.monotonic,
+             endpoints: EndpointBoard | None = None) -> tuple[Gateway, Any]:
+    """The gateway and the FastAPI app over any EngineClient (the real engine, or a test's fake).
+    endpoints: the board the client's replicas post to (shared through [state] with the rest)."""
     preparer = Preparer(info, vocab.tokenize, min(client.n_ctx), SANITIZE_PRESETS[t.server.sanitize])
     shared = t.state.shared
     if shared and clock is time.monotonic:  # gateways compare a shared breaker's times: wall-clock ones
@@ -144,7 +148,8 @@ def assemble(client: EngineClient, info: ModelInfo, vocab: LlamaVocab, t: Topolo
     metrics.watch_quarantine(quarantine)
     if shared:
         metrics.state_shared.set(0)  # until the first sync reaches the store
-        gw.state = StateSync(t.state, dict(breakers), quarantine, on_status=metrics.state_shared.set).start()
+        gw.state = StateSync(t.state, dict(breakers), quarantine, on_status=metrics.state_shared.set,
+                             endpoints=endpoints).start()
         gw.state.sync_now()  # join the fleet's state before the first request (a failure: the local view)
         metrics.watch_state(gw.state)
     return gw, create_app(gw, frozenset(api_keys), t.server.max_body_bytes)

@@ -1,7 +1,7 @@
-"""Breaker and quarantine state shared by gateways: `[state] backend = "memory" | "redis"`.
+"""Breaker, quarantine and endpoint health shared by gateways: `[state] backend = "memory" | "redis"`.
 
     store = open_state_store(StateSettings(backend="redis", url="redis://..."))   (in the sync thread)
-    sync = StateSync(settings, breakers, quarantine).start()                       one per gateway
+    sync = StateSync(settings, breakers, quarantine, endpoints=board).start()      one per gateway
 
 The request path reads only local objects (each pool's `Breaker`, the `Quarantine`), so a slow or
 absent store never delays a request. One thread per gateway, "qladder-state", owns the store
@@ -17,7 +17,11 @@ absent store never delays a request. One thread per gateway, "qladder-state", ow
 - pushes the fingerprints quarantined here (each with when it was added), then pulls those with a
   sequence number past its last pull (the store numbers each add as it lands, so an add pushed
   late, after an outage, is still pulled by every gateway; past the TTL trimmed, `max_entries`
-  kept).
+  kept);
+- pushes the ejections and rejoins of this gateway's replicas (the `EndpointBoard` the remote
+  rungs post to: engines/endpoint_board.py) and hands the board the newest news per endpoint
+  the store holds (last writer by time wins): a replica ejected by one gateway is ejected by all
+  within a sync.
 
 Every store call is bounded (`timeout_s`). When one fails, the gateway goes on with its local
 view: the unsent events stay queued (bounded; see Breaker.JOURNAL_MAX), `shared` turns False
@@ -42,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+from qladder.engines.endpoint_board import EndpointBoard, EndpointNews, newest
 from qladder.errors import ConfigError
 from qladder.server.breaker import BreakerConfig, BreakerMode, BreakerState, Outcome, Stamped, transition
 from qladder.server.quarantine import Quarantine
@@ -100,6 +105,11 @@ class StateStore(Protocol):
         the store's numbers restarted below it), and the last number."""
         ...
 
+    async def exchange_endpoints(self, news: Sequence[EndpointNews]) -> list[EndpointNews]:
+        """Keep each piece of news newer than the one held for its endpoint URL; return the newest
+        held per URL."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -151,6 +161,7 @@ class MemoryStateStore:
         self._breakers: dict[str, str] = {}
         self._quarantine: dict[str, tuple[float, int]] = {}  # fingerprint -> (when, sequence number)
         self._seq = 0
+        self._endpoints: dict[str, EndpointNews] = {}
 
     async def merge_breaker(self, pool: str, gateway: str, local: BreakerState, events: Sequence[Stamped],
                             mark: int, config: BreakerConfig) -> BreakerState:
@@ -173,6 +184,11 @@ class MemoryStateStore:
             after = after if after <= self._seq else 0
             return sorted(((fp, at) for fp, (at, n) in self._quarantine.items() if n > after),
                           key=lambda e: e[1]), self._seq
+
+    async def exchange_endpoints(self, news: Sequence[EndpointNews]) -> list[EndpointNews]:
+        with self._lock:
+            self._endpoints = newest(self._endpoints, news)
+            return list(self._endpoints.values())
 
     async def close(self) -> None:
         pass
@@ -199,12 +215,24 @@ end
 return 0
 """
 
+# KEYS: the endpoints hash (URL -> news JSON). ARGV: URL, wall time, news JSON triples.
+_ENDPOINTS = """
+for i = 1, #ARGV, 3 do
+  local old = redis.call('HGET', KEYS[1], ARGV[i])
+  if not old or cjson.decode(old)['at'] < tonumber(ARGV[i + 1]) then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 2])
+  end
+end
+return redis.call('HVALS', KEYS[1])
+"""
+
 
 class RedisStateStore:
     """The store in a Redis server (redis-py's asyncio client). A breaker's record is one JSON
     value, merged under WATCH/MULTI (a peer's write in between retries the merge); the quarantine
     is two sorted sets (fingerprint -> when, fingerprint -> sequence number) and a counter,
-    written by one Lua script. Nothing expires on its own: the records are small and bounded."""
+    written by one Lua script; endpoint news is one hash (URL -> the newest news), compared and
+    written by another. Nothing expires on its own: the records are small and bounded."""
 
     RETRIES = 16
 
@@ -214,6 +242,7 @@ class RedisStateStore:
         self.prefix = prefix
         self._redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._push = self._redis.register_script(_PUSH)
+        self._endpoints = self._redis.register_script(_ENDPOINTS)
 
     async def merge_breaker(self, pool: str, gateway: str, local: BreakerState, events: Sequence[Stamped],
                             mark: int, config: BreakerConfig) -> BreakerState:
@@ -256,6 +285,11 @@ class RedisStateStore:
         entries = [(fp.decode(), float(w)) for fp, w in zip(fps, whens, strict=True) if w is not None]
         return entries, max([last, *(int(n) for _, n in got)])
 
+    async def exchange_endpoints(self, news: Sequence[EndpointNews]) -> list[EndpointNews]:
+        held = await self._endpoints(keys=[f"{self.prefix}endpoints"],
+                                     args=[x for n in news for x in (n.url, repr(n.at), n.encode())])
+        return [EndpointNews.decode(raw) for raw in cast(list[bytes], held)]
+
     async def close(self) -> None:
         await self._redis.aclose()
 
@@ -270,12 +304,15 @@ class StateSync:
     """One gateway's state sync: a thread with its own asyncio loop, the store's only user.
     `store`: a factory called on that thread (a Redis client belongs to the loop it was made on).
     `on_status(shared)` is called on every change of `shared` (metrics). `gateway`: this
-    gateway's name in the shared records (a new one per process unless given)."""
+    gateway's name in the shared records (a new one per process unless given). `endpoints`: the
+    board this gateway's replicas post their ejections to (None: nothing to share)."""
 
     def __init__(self, settings: StateSettings, breakers: dict[str, Any], quarantine: Quarantine,
                  store: Callable[[], StateStore] | None = None,
-                 on_status: Callable[[bool], None] | None = None, gateway: str | None = None):
+                 on_status: Callable[[bool], None] | None = None, gateway: str | None = None,
+                 endpoints: EndpointBoard | None = None):
         self.settings = settings
+        self.endpoints = endpoints
         self.gateway = gateway or uuid.uuid4().hex[:12]
         self.breakers = breakers
         self.quarantine = quarantine
@@ -336,7 +373,7 @@ class StateSync:
         try:
             async with self._one:  # the periodic sync and a sync_now never merge one journal twice
                 # each store call is bounded by timeout_s: the whole exchange by the sum
-                await asyncio.wait_for(self._exchange(self._store), self.settings.timeout_s * (len(self.breakers) + 3))
+                await asyncio.wait_for(self._exchange(self._store), self.settings.timeout_s * (len(self.breakers) + 4))
         except Exception as exc:  # the store is away or slow: serve on the local view
             self.failures += 1
             self._status(False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
@@ -357,6 +394,10 @@ class StateSync:
                                self.settings.timeout_s)
         entries, self._pulled = await asyncio.wait_for(store.pull_quarantine(self._pulled), self.settings.timeout_s)
         self.quarantine.merge(mark, entries)
+        if self.endpoints is not None:
+            sent = self.endpoints.outbox()
+            held = await asyncio.wait_for(store.exchange_endpoints(sent), self.settings.timeout_s)
+            self.endpoints.delivered(sent, held)
 
     def _status(self, shared: bool, error: str | None) -> None:
         changed = shared != self.shared
@@ -378,5 +419,5 @@ class StateSync:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 self._loop.call_soon_threadsafe(self._wake.set)
         if self._thread.is_alive():
-            self._thread.join(self.settings.timeout_s * (len(self.breakers) + 3) + 5)
+            self._thread.join(self.settings.timeout_s * (len(self.breakers) + 4) + 5)
 

@@ -33,6 +33,7 @@ from qladder.classify import classify
 from qladder.client import AsyncEvents, Request
 from qladder.config import Settings
 from qladder.engines.base import Engine, check_handoff
+from qladder.engines.endpoint_board import EndpointBoard
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp
 from qladder.engines.remote import RemoteRung
 from qladder.engines.remote_llama import LlamaServerRung
@@ -64,16 +65,17 @@ Remote = LlamaServerRung | VllmRung | Replicas
 Urls = str | tuple[str, ...]  # one server, or replicas of it (a pool of endpoints: engines/replicas.py)
 
 
-def remote_rung(cls: type[LlamaServerRung] | type[VllmRung], info: ModelInfo, urls: Urls) -> Remote:
+def remote_rung(cls: type[LlamaServerRung] | type[VllmRung], info: ModelInfo, urls: Urls,
+                board: EndpointBoard | None = None) -> Remote:
     """The rung on one server, or on replicas of it (each tokenizer-probed; one that fails closes
-    those already open)."""
+    those already open). board: endpoint health shared with peer gateways (replicas only)."""
     if isinstance(urls, str) or len(urls) == 1:
         return cls(info, urls if isinstance(urls, str) else urls[0])
     opened: list[LlamaServerRung | VllmRung] = []
     try:
         for url in urls:
             opened.append(cls(info, url))
-        return Replicas(opened)
+        return Replicas(opened, board=board)
     except BaseException:
         for e in opened:
             e.close()
@@ -129,9 +131,11 @@ class ServingEngine:
                  settings: Settings | None = None, incidents: IncidentSink | None = None,
                  standby_engines: Sequence[Engine | Remote] | None = None,
                  clock: Callable[[], float] = time.perf_counter,
-                 observers: Sequence[Callable[[Event], None]] = ()):
+                 observers: Sequence[Callable[[Event], None]] = (), endpoints: EndpointBoard | None = None):
         """observers: called on the serving threads with every event of every request, whether
-        or not its client still listens (metrics, breakers); each must be quick and thread-safe."""
+        or not its client still listens (metrics, breakers); each must be quick and thread-safe.
+        endpoints: the replicas' health shared with peer gateways (the gateway's state sync
+        carries it; None: this process alone)."""
         import torch
 
         self.config = c = config or ServingConfig()
@@ -140,11 +144,12 @@ class ServingEngine:
         self.incidents = incidents
         self.clock = clock
         self.observers = list(observers)
+        self.endpoints = endpoints
         # torch runs the standby (and tiny guard ops); under a lease the standby sets its own per forward
         torch.set_num_threads(1 if c.cores is not None else c.standby_threads)
         self.int4: BatchedLlamaCpp | LlamaServerRung | Replicas
         if c.remote_url is not None:  # rung 0 is a llama-server: its tokenizer is checked here
-            int4 = remote_rung(LlamaServerRung, self.info, c.remote_url)
+            int4 = remote_rung(LlamaServerRung, self.info, c.remote_url, endpoints)
             assert not isinstance(int4, VllmRung)
             self.int4 = int4
         else:
@@ -209,7 +214,7 @@ class ServingEngine:
         if rung == "vllm":
             if c.standby_url is None:
                 raise ConfigError("a vllm standby rung needs standby_url (the vLLM server's address)")
-            return remote_rung(VllmRung, self.info, c.standby_url)
+            return remote_rung(VllmRung, self.info, c.standby_url, self.endpoints)
         from qladder.engines import load_engine
 
         return load_engine(rung, self.info, Settings(s.cache_dir, c.standby_threads, c.n_ctx, s.int4_monitor))
@@ -443,12 +448,13 @@ class ServingEngine:
 
     def _replica_stats(self) -> dict[str, float]:
         """Pools of replicas (engines/replicas.py), by kind: endpoints healthy and in all,
-        streams continued on a sibling, endpoints ejected and rejoined."""
+        streams continued on a sibling, endpoints ejected (on a peer gateway's word: heard) and rejoined."""
         out: dict[str, float] = {}
         for kind, rung in (("int4", self.int4), *(("standby", e) for e in self.standby_engines)):
             if isinstance(rung, Replicas):
                 out.update({f"{kind}_endpoints": len(rung.endpoints), f"{kind}_endpoints_healthy": sum(rung.healthy),
                             f"{kind}_migrations": rung.migrations, f"{kind}_ejections": rung.ejections,
+                            f"{kind}_heard": rung.heard,
                             f"{kind}_rejoins": rung.rejoins})
         return out
 

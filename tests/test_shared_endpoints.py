@@ -1,0 +1,199 @@
+"""Endpoint health shared by gateways (engines/endpoint_board.py, `[state]`): a replica that one
+gateway ejects is out at the other, through each gateway's real state sync and a real store (the
+in-process one and a Redis server started here), on fake replicas (tests/test_replicas_policy.py's
+FakeEndpoint: each gateway holds its own client of the same URL, as on real servers)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from qladder.engines.endpoint_board import EndpointBoard, EndpointNews
+from qladder.engines.replicas import NEWS_FRESH_S, OUTLIER_COOLDOWN_S, OUTLIER_FAILS, Replicas
+from qladder.server.quarantine import Quarantine, QuarantineConfig
+from qladder.server.shared_state import MemoryStateStore, StateSettings, StateSync, open_state_store
+
+from .fakes import Clock
+from .test_replicas_policy import FakeEndpoint, collect, tokens, unbroken
+
+
+class Gateway:
+    """One gateway's replicas of the URLs given (its own client of each), its board and its sync."""
+
+    def __init__(self, settings: StateSettings, store: MemoryStateStore | None, urls: list[str],
+                 clock: Clock | None = None, **endpoint: dict[str, object]):
+        self.board = EndpointBoard()
+        self.ends = [FakeEndpoint(u, **endpoint.get(u, {})) for u in urls]  # type: ignore[arg-type]
+        kw = {"clock": clock, "wall": clock} if clock is not None else {}
+        self.replicas = Replicas(self.ends, probe_every_s=0.01, board=self.board, **kw)  # type: ignore[arg-type]
+        quarantine = Quarantine(QuarantineConfig(ttl_s=60), clock or time.time, shared=True)
+        self.sync = StateSync(settings, {}, quarantine, store=(lambda: store) if store is not None else None,
+                              endpoints=self.board).start()
+
+    async def synced(self) -> None:
+        assert await asyncio.to_thread(self.sync.sync_now)
+
+    def close(self) -> None:
+        self.sync.close()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def fleet(request, redis_server):
+    """Gateways on one store: a MemoryStateStore they all hold, or the Redis server under a prefix
+    of this test's own. Their sync loops wait an hour: the test syncs them by hand."""
+    made: list[Gateway] = []
+    if request.param == "memory":
+        settings, store = StateSettings(sync_s=3600), MemoryStateStore()
+    else:
+        settings, store = StateSettings("redis", redis_server.url, f"t{time.monotonic_ns()}:", sync_s=3600), None
+
+    def gateway(urls: list[str], clock: Clock | None = None, **endpoint: dict[str, object]) -> Gateway:
+        made.append(Gateway(settings, store, urls, clock, **endpoint))
+        return made[-1]
+
+    yield gateway
+    for g in made:
+        g.close()
+
+
+def test_a_replica_one_gateway_ejects_is_out_at_the_other_until_its_own_probe_sees_it_back(fleet):
+    """A's stream loses http://x (dropped, /health down): ejected at A. After a sync each, B sends
+    nothing to x (B's least-in-flight pick would take x first), says it heard it, and brings it
+    back by its own probe when x's /health answers again; A's and B's rejoins eject nobody."""
+    a = fleet(["http://x", "http://y"], **{"http://x": {"fail_after": 2, "up": False}})
+    b = fleet(["http://x", "http://y"], **{"http://x": {"up": False}})
+
+    async def run() -> None:
+        assert tokens(await collect(a.replicas, 8)) == unbroken(8)
+        assert (a.replicas.healthy, a.replicas.ejections) == ([False, True], 1)
+        await a.synced()
+        await b.synced()
+        assert tokens(await collect(b.replicas, 8)) == unbroken(8)
+        assert b.ends[0].streams == 0 and b.ends[1].streams == 1
+        assert (b.replicas.healthy, b.replicas.ejections, b.replicas.heard) == ([False, True], 1, 1)
+        a.ends[0].up = b.ends[0].up = True
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if a.replicas.healthy == b.replicas.healthy == [True, True]:
+                break
+        assert a.replicas.healthy == b.replicas.healthy == [True, True]
+        assert (a.replicas.rejoins, b.replicas.rejoins) == (1, 1)
+        for g in (a, b, a, b):  # both rejoins reach the store and each gateway: nobody is ejected again
+            await g.synced()
+        await collect(a.replicas, 4)
+        await collect(b.replicas, 4)
+        assert (a.replicas.healthy, b.replicas.healthy, a.replicas.ejections, b.replicas.ejections) == \
+            ([True, True], [True, True], 1, 1)
+        assert a.replicas.heard == 0
+
+    asyncio.run(run())
+
+
+def test_an_outliers_cooldown_found_by_one_gateway_holds_at_the_other_to_the_same_end(fleet):
+    """http://x fails every call 2 tokens in while its /health says 200. A blames it
+    OUTLIER_FAILS times and ejects it for OUTLIER_COOLDOWN_S; B, told, keeps it out until the same
+    (wall-clock) end though its probe finds /health up, then takes it back."""
+    clock = Clock()
+    urls = ["http://x", "http://y", "http://z"]
+    a = fleet(urls, clock, **{"http://x": {"broken_after": 2}})
+    b = fleet(urls, clock, **{"http://x": {"broken_after": 2}})
+
+    async def run() -> None:
+        for _ in range(OUTLIER_FAILS):
+            assert tokens(await collect(a.replicas, 6)) == unbroken(6)
+        assert a.replicas.healthy == [False, True, True]
+        await a.synced()
+        await b.synced()
+        clock.t += OUTLIER_COOLDOWN_S / 2
+        assert tokens(await collect(b.replicas, 6)) == unbroken(6)
+        assert b.ends[0].streams == 0 and b.replicas.heard == 1
+        await asyncio.sleep(0.1)  # its probe runs: /health up, the cooldown not over
+        assert b.replicas.healthy == [False, True, True]
+        clock.t += OUTLIER_COOLDOWN_S / 2 + 0.01
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if b.replicas.healthy[0]:
+                break
+        assert b.replicas.healthy == [True, True, True]
+
+    asyncio.run(run())
+
+
+def replicas_told(news: list[EndpointNews], clock: Clock, n: int = 2) -> tuple[Replicas, list[FakeEndpoint]]:
+    """Replicas whose board has just been delivered `news` (as a sync would)."""
+    board = EndpointBoard()
+    ends = [FakeEndpoint(f"http://{c}") for c in "xyzw"[:n]]
+    r = Replicas(ends, probe_every_s=0.01, board=board, clock=clock, wall=clock)  # type: ignore[arg-type]
+    board.delivered([], news)
+    return r, ends
+
+
+def test_what_a_gateway_does_not_act_on():
+    """Old news of an outage (past NEWS_FRESH_S, no cooldown): a gateway that joins later finds it
+    out itself. A peer's rejoin: only a gateway's own probe rejoins. News of a URL not in the pool.
+    A peer's outlier past the at-most-half cap here. Each of these leaves every replica in rotation
+    (or as the cap left it)."""
+    clock = Clock()
+
+    async def run() -> None:
+        for news in ([EndpointNews("http://x", True, clock.t - NEWS_FRESH_S - 1)],
+                     [EndpointNews("http://x", False, clock.t)],
+                     [EndpointNews("http://elsewhere", True, clock.t)]):
+            r, ends = replicas_told(news, clock)
+            await collect(r, 4)
+            assert (r.healthy, r.heard, ends[0].streams) == ([True, True], 0, 1), news
+        fresh = [EndpointNews("http://x", True, clock.t - 1)]
+        r, ends = replicas_told(fresh, clock)
+        await collect(r, 4)
+        assert (r.healthy, r.heard, ends[0].streams) == ([False, True], 1, 0)
+        # four replicas: at most two out as outliers; a third outlier heard stays in rotation
+        cool = clock.t + OUTLIER_COOLDOWN_S
+        r, ends = replicas_told([EndpointNews(f"http://{c}", True, clock.t, cool) for c in "xyz"], clock, n=4)
+        await collect(r, 4)
+        assert sum(r.healthy) == 2 and r.heard == 2 and r.healthy[3]
+
+    asyncio.run(run())
+
+
+def test_a_peers_news_older_than_what_this_gateway_saw_itself_is_not_applied():
+    """This gateway rejoined x after a peer's ejection was stamped (its rejoin not yet in the
+    store, which holds the peer's): the older news is stale here."""
+    clock = Clock()
+
+    async def run() -> None:
+        board = EndpointBoard()
+        ends = [FakeEndpoint("http://x"), FakeEndpoint("http://y")]
+        r = Replicas(ends, probe_every_s=0.01, board=board, clock=clock, wall=clock)  # type: ignore[arg-type]
+        r.eject(0)
+        await asyncio.sleep(0.05)  # its probe: /health up, back
+        assert r.healthy == [True, True]
+        posted = board.outbox()
+        assert [(n.url, n.down) for n in posted] == [("http://x", False)]  # the newer of its two events
+        board.delivered([], [EndpointNews("http://x", True, posted[0].at - 0.5)])
+        await collect(r, 4)
+        assert (r.healthy, r.heard, board.outbox()) == ([True, True], 0, posted)
+        assert posted[0].at > 1000.0  # stamped after its ejection, at the same wall-clock reading
+
+    asyncio.run(run())
+
+
+def test_the_stores_keep_the_newest_news_per_endpoint(redis_server):
+    """The contract of exchange_endpoints on both stores: the newest per URL wins, whoever sent
+    it; older news is dropped; every URL's newest comes back."""
+    async def check(store) -> None:
+        x1, y1 = EndpointNews("http://x", True, 10.0, 20.0), EndpointNews("http://y", False, 11.0)
+        assert sorted(await store.exchange_endpoints([x1, y1]), key=lambda n: n.url) == [x1, y1]
+        x0, x2 = EndpointNews("http://x", False, 9.5), EndpointNews("http://x", False, 12.25)
+        assert sorted(await store.exchange_endpoints([x0]), key=lambda n: n.url) == [x1, y1]
+        assert sorted(await store.exchange_endpoints([x2]), key=lambda n: n.url) == [x2, y1]
+        assert sorted(await store.exchange_endpoints([]), key=lambda n: n.url) == [x2, y1]
+        await store.close()
+
+    asyncio.run(check(MemoryStateStore()))
+
+    async def on_redis() -> None:
+        await check(open_state_store(StateSettings("redis", redis_server.url, f"t{time.monotonic_ns()}:")))
+
+    asyncio.run(on_redis())

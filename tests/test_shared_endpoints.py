@@ -94,7 +94,8 @@ def test_a_replica_one_gateway_ejects_is_out_at_the_other_until_its_own_probe_se
 def test_an_outliers_cooldown_found_by_one_gateway_holds_at_the_other_to_the_same_end(fleet):
     """http://x fails every call 2 tokens in while its /health says 200. A blames it
     OUTLIER_FAILS times and ejects it for OUTLIER_COOLDOWN_S; B, told, keeps it out until the same
-    (wall-clock) end though its probe finds /health up, then takes it back."""
+    (wall-clock) end though its probe finds /health up, then takes it back (B hears it half a
+    cooldown after A's ejection: the rest of it, not a whole one)."""
     clock = Clock()
     urls = ["http://x", "http://y", "http://z"]
     a = fleet(urls, clock, **{"http://x": {"broken_after": 2}})
@@ -121,10 +122,12 @@ def test_an_outliers_cooldown_found_by_one_gateway_holds_at_the_other_to_the_sam
     asyncio.run(run())
 
 
-def replicas_told(news: list[EndpointNews], clock: Clock, n: int = 2) -> tuple[Replicas, list[FakeEndpoint]]:
-    """Replicas whose board has just been delivered `news` (as a sync would)."""
+def replicas_told(news: list[EndpointNews], clock: Clock, n: int = 2,
+                  up: bool = True) -> tuple[Replicas, list[FakeEndpoint]]:
+    """Replicas whose board has just been delivered `news` (as a sync would); `up`: what the
+    servers' /health answers this gateway."""
     board = EndpointBoard()
-    ends = [FakeEndpoint(f"http://{c}") for c in "xyzw"[:n]]
+    ends = [FakeEndpoint(f"http://{c}", up=up) for c in "xyzw"[:n]]
     r = Replicas(ends, probe_every_s=0.01, board=board, clock=clock, wall=clock)  # type: ignore[arg-type]
     board.delivered([], news)
     return r, ends
@@ -145,36 +148,96 @@ def test_what_a_gateway_does_not_act_on():
             await collect(r, 4)
             assert (r.healthy, r.heard, ends[0].streams) == ([True, True], 0, 1), news
         fresh = [EndpointNews("http://x", True, clock.t - 1)]
-        r, ends = replicas_told(fresh, clock)
+        r, ends = replicas_told(fresh, clock, up=False)
         await collect(r, 4)
         assert (r.healthy, r.heard, ends[0].streams) == ([False, True], 1, 0)
         # four replicas: at most two out as outliers; a third outlier heard stays in rotation
-        cool = clock.t + OUTLIER_COOLDOWN_S
-        r, ends = replicas_told([EndpointNews(f"http://{c}", True, clock.t, cool) for c in "xyz"], clock, n=4)
+        r, ends = replicas_told([EndpointNews(f"http://{c}", True, clock.t, OUTLIER_COOLDOWN_S) for c in "xyz"],
+                                clock, n=4)
         await collect(r, 4)
         assert sum(r.healthy) == 2 and r.heard == 2 and r.healthy[3]
 
     asyncio.run(run())
 
 
-def test_a_peers_news_older_than_what_this_gateway_saw_itself_is_not_applied():
-    """This gateway rejoined x after a peer's ejection was stamped (its rejoin not yet in the
-    store, which holds the peer's): the older news is stale here."""
+def test_a_gateways_own_ejection_coming_back_after_its_rejoin_is_not_applied():
+    """This gateway ejected x and posted it; its probe took x back (and posted that) before the
+    store's copy of the ejection came back (a sync whose push of the rejoin failed): its own older
+    news leaves x in rotation."""
     clock = Clock()
 
     async def run() -> None:
         board = EndpointBoard()
-        ends = [FakeEndpoint("http://x"), FakeEndpoint("http://y")]
+        ends = [FakeEndpoint("http://x", up=False), FakeEndpoint("http://y")]
         r = Replicas(ends, probe_every_s=0.01, board=board, clock=clock, wall=clock)  # type: ignore[arg-type]
         r.eject(0)
+        down = board.outbox()
+        assert [(n.url, n.down) for n in down] == [("http://x", True)]
+        board.delivered(down, down)  # in the store
+        ends[0].up = True
         await asyncio.sleep(0.05)  # its probe: /health up, back
-        assert r.healthy == [True, True]
-        posted = board.outbox()
-        assert [(n.url, n.down) for n in posted] == [("http://x", False)]  # the newer of its two events
-        board.delivered([], [EndpointNews("http://x", True, posted[0].at - 0.5)])
+        up = board.outbox()
+        assert r.healthy == [True, True] and [(n.url, n.down) for n in up] == [("http://x", False)]
+        assert up[0].at > down[0].at  # stamped after the ejection, at the same wall-clock reading
+        board.delivered([], down)  # the push of the rejoin failed: the store still says down
         await collect(r, 4)
-        assert (r.healthy, r.heard, board.outbox()) == ([True, True], 0, posted)
-        assert posted[0].at > 1000.0  # stamped after its ejection, at the same wall-clock reading
+        assert (r.healthy, r.heard, ends[0].streams, board.outbox()) == ([True, True], 0, 1, up)
+
+    asyncio.run(run())
+
+
+def test_a_peers_word_never_takes_the_last_healthy_replica():
+    """A peer cut off from the servers ejects both: this gateway, which reaches them, keeps one
+    (the other, ejected on its word, is asked at once and is back within a probe)."""
+    clock = Clock()
+
+    async def run() -> None:
+        r, ends = replicas_told([EndpointNews("http://x", True, clock.t - 1),
+                                 EndpointNews("http://y", True, clock.t - 1)], clock)
+        assert tokens(await collect(r, 4)) == unbroken(4)
+        assert (r.heard, r.ejections, ends[0].streams, ends[1].streams) == (1, 1, 0, 1)
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if all(r.healthy):
+                break
+        assert r.healthy == [True, True] and r.rejoins == 1
+
+    asyncio.run(run())
+
+
+def test_a_heard_cooldown_runs_from_the_news_time_and_no_longer_than_the_longest():
+    """News 4 s old of a 10 s cooldown: 6 s left here. News of a cooldown far past the longest
+    (a peer's broken clock or a future version): OUTLIER_COOLDOWN_MAX_S at most."""
+    from qladder.engines.replicas import OUTLIER_COOLDOWN_MAX_S
+
+    clock = Clock()
+
+    async def run() -> None:
+        r, _ = replicas_told([EndpointNews("http://x", True, clock.t - 4, OUTLIER_COOLDOWN_S)], clock, n=3)
+        await collect(r, 4)
+        assert r.healthy == [False, True, True] and r._out_until[0] == pytest.approx(clock.t + OUTLIER_COOLDOWN_S - 4)
+        r, _ = replicas_told([EndpointNews("http://x", True, clock.t, 1e9)], clock, n=3)
+        await collect(r, 4)
+        assert r.healthy == [False, True, True] and r._out_until[0] == pytest.approx(clock.t + OUTLIER_COOLDOWN_MAX_S)
+
+    asyncio.run(run())
+
+
+def test_a_record_this_version_cannot_read_is_skipped_and_replaced(redis_server):
+    """A value in the endpoints hash that is not news (a hand edit, another version's): the
+    exchange skips it, and news sent for that URL replaces it; breakers and quarantine go on."""
+    import redis
+
+    prefix = f"t{time.monotonic_ns()}:"
+    redis.Redis.from_url(redis_server.url).hset(f"{prefix}endpoints", mapping={"http://x": "not json",
+                                                                              "http://y": '{"url": 1}'})
+
+    async def run() -> None:
+        store = open_state_store(StateSettings("redis", redis_server.url, prefix))
+        assert await store.exchange_endpoints([]) == []
+        x = EndpointNews("http://x", True, 5.0)
+        assert await store.exchange_endpoints([x]) == [x]
+        await store.close()
 
     asyncio.run(run())
 

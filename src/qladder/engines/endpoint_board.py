@@ -5,13 +5,16 @@
     StateSync(..., endpoints=board)                            carries them to and from the store
 
 Each piece of news is one endpoint's latest event at one gateway: down (ejected: its server
-failed with its /health failing too, or an outlier's cooldown, `until`) or up (it rejoined), at a
-wall-clock time. The store keeps the newest per endpoint URL (last writer by time wins), and each
-gateway's replicas apply what they hear that is newer than what they knew: a peer's "down" ejects
-the endpoint here too (an outlier's cooldown runs to the same `until`), and the local probe of
-its `/health` brings it back as for an ejection of its own. A peer's "up" is not a rejoin here
-(only this gateway's own probe rejoins, within a second of the server's return): a gateway that
-cannot reach a server does not send traffic to it on a peer's word.
+failed with its /health failing too, or an outlier, with what was left of its cooldown) or up (it
+rejoined), at a wall-clock time. The store keeps the newest per endpoint URL (last writer by time
+wins: a later "up" from any gateway replaces a "down" that a gateway with no traffic meanwhile has
+not acted on yet, and gateways' clocks must agree, as for the shared breakers). Each gateway's
+replicas apply what they hear that is newer than what they knew, at their next pick (replicas.py,
+`_listen`): a peer's "down" ejects the endpoint here too, an outlier for the rest of its cooldown
+(counted from the news's time, at most the longest cooldown), never the last healthy replica;
+this gateway's own probe of its `/health` brings it back (a plain outage's probe asks at once: a
+server this gateway reaches is back within a probe). A peer's "up" is not a rejoin here: a
+gateway that cannot reach a server does not send traffic to it on a peer's word.
 
 Threads: the replicas (on the remote pool's loop thread) post and read; the state sync's thread
 takes the outbox and delivers what the store holds. Every field is behind `_lock`.
@@ -30,15 +33,19 @@ class EndpointNews:
     url: str
     down: bool
     at: float  # wall-clock time (time.time) of the event at the gateway that saw it
-    until: float = 0.0  # down as an outlier: no rejoin before this wall-clock time (0: none)
+    cooldown_s: float = 0.0  # down as an outlier: its cooldown left at `at` (0: a plain outage)
 
     def encode(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @staticmethod
-    def decode(raw: str | bytes) -> EndpointNews:
-        d = json.loads(raw)
-        return EndpointNews(str(d["url"]), bool(d["down"]), float(d["at"]), float(d["until"]))
+    def decode(raw: str | bytes) -> EndpointNews | None:
+        """None: not a piece of news this version reads (another version's, or damaged)."""
+        try:
+            d = json.loads(raw)
+            return EndpointNews(str(d["url"]), bool(d["down"]), float(d["at"]), float(d["cooldown_s"]))
+        except (ValueError, TypeError, KeyError):
+            return None
 
 
 def newest(held: dict[str, EndpointNews], news: Iterable[EndpointNews]) -> dict[str, EndpointNews]:

@@ -44,8 +44,10 @@ failure (the answer may be what broke it): it reaches the pool as before.
 Gateways that share state (`[state] backend = "redis"`) share endpoint health too, through an
 `EndpointBoard` (engines/endpoint_board.py): each ejection and rejoin here is posted to it, and
 an ejection a peer gateway posted (newer than what this gateway knew of the endpoint) ejects it
-here as well, an outlier's for the same cooldown (within the at-most-half cap); this gateway's own
-probe brings it back.
+here as well at the next pick: an outlier's for the rest of its cooldown (within the
+at-most-half cap), a plain outage's only while fresh (NEWS_FRESH_S), and never the last healthy
+replica (a peer cut off from the servers does not empty every gateway's pool). This gateway's
+own probe brings it back (for a plain outage, asking at once).
 
 Owned by the remote pool's loop thread: `stream`, the counters and the probes run only there
 (the engine's `stats` reads the counters for metrics, as it reads the pool's).
@@ -119,6 +121,7 @@ class Replicas:
         self.board, self.wall = board, wall
         self._index = {e.base_url: k for k, e in enumerate(endpoints)}
         self._known_at = [0.0] * n  # the wall time of the newest event known for each (own or a peer's)
+        self._posted_at = [0.0] * n  # the wall time of this gateway's last post for each
         self._board_version = 0
 
     # -- what the pool reads -------------------------------------------------------------------------
@@ -154,9 +157,10 @@ class Replicas:
             up = self._rng.sample(up, 2)
         return min(up, key=lambda k: (self.inflight[k], k))
 
-    def eject(self, k: int, post: bool = True) -> None:
+    def eject(self, k: int, post: bool = True, ask_now: bool = False) -> None:
         """Endpoint k failed a stream: out of rotation, probed until it answers (the loop thread;
-        one probe per endpoint). post: tell the peer gateways (not for news heard from them)."""
+        one probe per endpoint). post: tell the peer gateways (not for news heard from them);
+        ask_now: the probe's first question without waiting (a peer's word, not our own)."""
         if self.healthy[k]:
             self.healthy[k] = False
             self.ejections += 1
@@ -164,7 +168,7 @@ class Replicas:
                 self._post(k, down=True)
         probe = self._probes.get(k)
         if probe is None or probe.done():
-            self._probes[k] = asyncio.ensure_future(self._probe(k))
+            self._probes[k] = asyncio.ensure_future(self._probe(k, ask_now))
 
     def _rejoin(self, k: int) -> None:
         if not self.healthy[k]:
@@ -177,14 +181,17 @@ class Replicas:
     def _post(self, k: int, down: bool) -> None:
         if self.board is None:
             return
-        at = self._known_at[k] = max(self.wall(), math.nextafter(self._known_at[k], math.inf))  # (each newer)
-        until = at + max(0.0, self._out_until[k] - self.clock()) if down and self._outlier[k] else 0.0
-        self.board.post(EndpointNews(self.endpoints[k].base_url, down, at, until))
+        at = self._posted_at[k] = max(self.wall(), math.nextafter(self._posted_at[k], math.inf))  # (each newer)
+        self._known_at[k] = max(self._known_at[k], at)
+        left = max(0.0, self._out_until[k] - self.clock()) if down and self._outlier[k] else 0.0
+        self.board.post(EndpointNews(self.endpoints[k].base_url, down, at, left))
 
     def _listen(self) -> None:
-        """Apply what peer gateways posted since the last look: an ejection newer than what this
-        gateway knew of the endpoint ejects it here (an outlier's to the same wall-clock end of
-        its cooldown, unless half the replicas are out as outliers here already)."""
+        """Apply what peer gateways posted since the last look. An ejection newer than what this
+        gateway knew of the endpoint ejects it here: an outlier's for the rest of its cooldown
+        (from the news's time, at most OUTLIER_COOLDOWN_MAX_S; an endpoint out already here keeps
+        the later end), unless half the replicas are out as outliers here already; a plain
+        outage's while fresh. Never the last healthy replica."""
         if self.board is None:
             return
         version, news = self.board.heard_since(self._board_version)
@@ -194,24 +201,30 @@ class Replicas:
             if k is None or n.at <= self._known_at[k]:
                 continue
             self._known_at[k] = n.at
-            left = n.until - self.wall()
-            if not n.down or not self.healthy[k] or (left <= 0 and n.at < self.wall() - NEWS_FRESH_S):
+            age = max(0.0, self.wall() - n.at)
+            left = min(n.cooldown_s, OUTLIER_COOLDOWN_MAX_S) - age
+            if not n.down or (left <= 0 and (age > NEWS_FRESH_S or not self.healthy[k])):
                 continue  # (an old outage: a gateway that joins later finds it out on its own)
+            if self.healthy[k] and sum(self.healthy) <= 1:
+                continue
             if left > 0:
-                if sum(self._outlier) + 1 > len(self.endpoints) // 2:
+                if not self._outlier[k] and sum(self._outlier) + 1 > len(self.endpoints) // 2:
                     continue
-                self._outlier[k], self._out_until[k] = True, self.clock() + left
-            self.heard += 1
-            self.eject(k, post=False)
+                self._outlier[k], self._out_until[k] = True, max(self._out_until[k], self.clock() + left)
+            if self.healthy[k]:
+                self.heard += 1
+                self.eject(k, post=False, ask_now=left <= 0)
 
     def _may_rejoin(self, k: int) -> bool:
         """An outlier's cooldown is over, or no replica is left (better a suspect than none)."""
         return self.clock() >= self._out_until[k] or not any(self.healthy)
 
-    async def _probe(self, k: int) -> None:
+    async def _probe(self, k: int, ask_now: bool = False) -> None:
         async with httpx.AsyncClient() as client:
             while not self.healthy[k]:
-                await asyncio.sleep(self.probe_every_s)
+                if not ask_now:
+                    await asyncio.sleep(self.probe_every_s)
+                ask_now = False
                 if self._may_rejoin(k) and await self.endpoints[k].alive(client):
                     self._rejoin(k)
             # k is back (this probe saw it, or the pool's `alive` did): this probe is over before its

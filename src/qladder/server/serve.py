@@ -107,7 +107,8 @@ def build_server(t: Topology, settings: Settings | None = None, api_keys: Sequen
         target = str(Path(target).expanduser()) if target else str(settings.cache_dir / "incidents.sqlite3")
     store = open_incident_store(target, redact=t.server.redact)
     writer = IncidentWriter(store, on_commit=metrics.incidents_committed.inc)
-    board = EndpointBoard() if t.state.shared else None  # replicas' health, shared with peer gateways
+    replicas = any(isinstance(p.endpoints, tuple) and len(p.endpoints) > 1 for p in t.pools)
+    board = EndpointBoard() if t.state.shared and replicas else None  # replicas' health, shared with peer gateways
     engine = ServingEngine(serving_config(t, settings), model=t.model.path or None, settings=settings,
                            incidents=writer, standby_engines=standby_engines, endpoints=board)
     engine.add_audit_observer(writer.audit)  # audits are stored beside the incidents

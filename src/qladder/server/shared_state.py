@@ -215,11 +215,19 @@ end
 return 0
 """
 
-# KEYS: the endpoints hash (URL -> news JSON). ARGV: URL, wall time, news JSON triples.
+# KEYS: the endpoints hash (URL -> news JSON). ARGV: URL, wall time, news JSON triples. A value
+# that does not read as news (another version's, damaged) is replaced by the news sent.
 _ENDPOINTS = """
 for i = 1, #ARGV, 3 do
   local old = redis.call('HGET', KEYS[1], ARGV[i])
-  if not old or cjson.decode(old)['at'] < tonumber(ARGV[i + 1]) then
+  local newer = true
+  if old then
+    local ok, d = pcall(cjson.decode, old)
+    if ok and type(d) == 'table' and tonumber(d['at']) then
+      newer = tonumber(d['at']) < tonumber(ARGV[i + 1])
+    end
+  end
+  if newer then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 2])
   end
 end
@@ -288,7 +296,7 @@ class RedisStateStore:
     async def exchange_endpoints(self, news: Sequence[EndpointNews]) -> list[EndpointNews]:
         held = await self._endpoints(keys=[f"{self.prefix}endpoints"],
                                      args=[x for n in news for x in (n.url, repr(n.at), n.encode())])
-        return [EndpointNews.decode(raw) for raw in cast(list[bytes], held)]
+        return [n for raw in cast(list[bytes], held) if (n := EndpointNews.decode(raw)) is not None]
 
     async def close(self) -> None:
         await self._redis.aclose()

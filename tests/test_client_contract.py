@@ -22,9 +22,17 @@ def client(request):
     if request.param == "fake":
         yield FakeClient()
         return
+    import dataclasses
+
+    from qladder.health.guard import GUARD_PRESETS
+    from qladder.policy import LadderConfig
     from qladder.serving import ServingConfig, ServingEngine
 
-    se = ServingEngine(ServingConfig(slots=2, allow_faults=True), standby_engines=[get_engine("fp32")])
+    # not about deadlines: on a busy test machine (two workers, servers of other tests) a prefill
+    # once took longer than the default step deadline, and its hazard replaced the one under test
+    guard = dataclasses.replace(GUARD_PRESETS["default"], step_deadline_s=60.0)
+    se = ServingEngine(ServingConfig(slots=2, allow_faults=True, ladder=LadderConfig(guard=guard)),
+                       standby_engines=[get_engine("fp32")])
     yield se
     se.close()
 

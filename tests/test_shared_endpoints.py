@@ -110,7 +110,9 @@ def test_an_outliers_cooldown_found_by_one_gateway_holds_at_the_other_to_the_sam
         clock.t += OUTLIER_COOLDOWN_S / 2
         assert tokens(await collect(b.replicas, 6)) == unbroken(6)
         assert b.ends[0].streams == 0 and b.replicas.heard == 1
-        await asyncio.sleep(0.1)  # its probe runs: /health up, the cooldown not over
+        await asyncio.sleep(0.1)  # ten of its probe's periods: /health would say 200, the cooldown is not over
+        probe = b.replicas._probes.get(0)
+        assert probe is not None and not probe.done() and b.ends[0].up
         assert b.replicas.healthy == [False, True, True]
         clock.t += OUTLIER_COOLDOWN_S / 2 + 0.01
         for _ in range(200):
@@ -175,7 +177,10 @@ def test_a_gateways_own_ejection_coming_back_after_its_rejoin_is_not_applied():
         assert [(n.url, n.down) for n in down] == [("http://x", True)]
         board.delivered(down, down)  # in the store
         ends[0].up = True
-        await asyncio.sleep(0.05)  # its probe: /health up, back
+        for _ in range(500):  # its probe (every 0.01 s): /health up, back
+            await asyncio.sleep(0.01)
+            if r.healthy[0]:
+                break
         up = board.outbox()
         assert r.healthy == [True, True] and [(n.url, n.down) for n in up] == [("http://x", False)]
         assert up[0].at > down[0].at  # stamped after the ejection, at the same wall-clock reading

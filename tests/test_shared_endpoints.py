@@ -6,6 +6,7 @@ FakeEndpoint: each gateway holds its own client of the same URL, as on real serv
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -124,13 +125,13 @@ def test_an_outliers_cooldown_found_by_one_gateway_holds_at_the_other_to_the_sam
     asyncio.run(run())
 
 
-def replicas_told(news: list[EndpointNews], clock: Clock, n: int = 2,
-                  up: bool = True) -> tuple[Replicas, list[FakeEndpoint]]:
+def replicas_told(news: list[EndpointNews], clock: Clock, n: int = 2, up: bool = True,
+                  probe_every_s: float = 0.01) -> tuple[Replicas, list[FakeEndpoint]]:
     """Replicas whose board has just been delivered `news` (as a sync would); `up`: what the
     servers' /health answers this gateway."""
     board = EndpointBoard()
     ends = [FakeEndpoint(f"http://{c}", up=up) for c in "xyzw"[:n]]
-    r = Replicas(ends, probe_every_s=0.01, board=board, clock=clock, wall=clock)  # type: ignore[arg-type]
+    r = Replicas(ends, probe_every_s=probe_every_s, board=board, clock=clock, wall=clock)  # type: ignore[arg-type]
     board.delivered([], news)
     return r, ends
 
@@ -197,8 +198,9 @@ def test_a_peers_word_never_takes_the_last_healthy_replica():
     clock = Clock()
 
     async def run() -> None:
+        # probes a minute apart: x is back within the wait below only if its probe asks at once
         r, ends = replicas_told([EndpointNews("http://x", True, clock.t - 1),
-                                 EndpointNews("http://y", True, clock.t - 1)], clock)
+                                 EndpointNews("http://y", True, clock.t - 1)], clock, probe_every_s=60)
         assert tokens(await collect(r, 4)) == unbroken(4)
         assert (r.heard, r.ejections, ends[0].streams, ends[1].streams) == (1, 1, 0, 1)
         for _ in range(100):
@@ -228,20 +230,76 @@ def test_a_heard_cooldown_runs_from_the_news_time_and_no_longer_than_the_longest
     asyncio.run(run())
 
 
+def test_news_from_a_broken_clock_is_not_believed_and_does_not_spread():
+    """News stamped over NEWS_SKEW_S ahead of this gateway's clock is not acted on; news this
+    gateway heard from a fast clock does not move the stamps of its own posts; a non-finite or
+    negative field does not read as news."""
+    from qladder.engines.endpoint_board import NEWS_SKEW_S
+
+    clock = Clock()
+
+    async def run() -> None:
+        r, ends = replicas_told([EndpointNews("http://x", True, clock.t + NEWS_SKEW_S + 5)], clock)
+        await collect(r, 4)
+        assert (r.healthy, r.heard) == ([True, True], 0)
+        ahead = clock.t + NEWS_SKEW_S / 2  # within the bound: believed
+        r, ends = replicas_told([EndpointNews("http://x", True, ahead)], clock, up=False)
+        await collect(r, 4)
+        assert (r.healthy, r.heard) == ([False, True], 1)
+        ends[0].up = True
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if r.healthy[0]:
+                break
+        assert r.healthy[0] and r.board is not None
+        assert [n.at for n in r.board.outbox()] == [clock.t]  # its rejoin, on its own clock
+
+    asyncio.run(run())
+    for raw in ('{"url": "http://x", "down": true, "at": NaN, "cooldown_s": 0}',
+                '{"url": "http://x", "down": true, "at": 5, "cooldown_s": Infinity}',
+                '{"url": "http://x", "down": true, "at": 5, "cooldown_s": -1}', '[1]'):
+        assert EndpointNews.decode(raw) is None, raw
+
+
+def test_a_heard_cooldown_on_an_endpoint_out_already_keeps_the_later_end():
+    """x is out here as an outlier for 100 s more; a peer's news of a 20 s cooldown does not
+    shorten it; news of a longer one lengthens it."""
+    clock = Clock()
+
+    async def run() -> None:
+        board = EndpointBoard()
+        ends = [FakeEndpoint(f"http://{c}") for c in "xyz"]
+        r = Replicas(ends, probe_every_s=0.01, board=board, clock=clock, wall=clock)  # type: ignore[arg-type]
+        r._outlier[0], r._out_until[0] = True, clock.t + 100
+        r.eject(0)
+        board.delivered([], [EndpointNews("http://x", True, clock.t + 1, 20.0)])
+        await collect(r, 4)
+        assert r._out_until[0] == clock.t + 100
+        board.delivered([], [EndpointNews("http://x", True, clock.t + 2, 119.0)])
+        await collect(r, 4)
+        assert r._out_until[0] == pytest.approx(clock.t + 119.0) and not r.healthy[0]
+
+    asyncio.run(run())
+
+
 def test_a_record_this_version_cannot_read_is_skipped_and_replaced(redis_server):
     """A value in the endpoints hash that is not news (a hand edit, another version's): the
-    exchange skips it, and news sent for that URL replaces it; breakers and quarantine go on."""
+    exchange skips it, and news sent for that URL replaces it. A record stamped an hour ahead (a
+    gateway with a broken clock) is replaced by honest news, and such news is not kept."""
     import redis
 
     prefix = f"t{time.monotonic_ns()}:"
-    redis.Redis.from_url(redis_server.url).hset(f"{prefix}endpoints", mapping={"http://x": "not json",
-                                                                              "http://y": '{"url": 1}'})
+    future = json.dumps({"url": "http://z", "down": True, "at": time.time() + 3600, "cooldown_s": 0})
+    redis.Redis.from_url(redis_server.url).hset(f"{prefix}endpoints", mapping={
+        "http://x": "not json", "http://y": '{"url": 1}', "http://z": future})
 
     async def run() -> None:
         store = open_state_store(StateSettings("redis", redis_server.url, prefix))
-        assert await store.exchange_endpoints([]) == []
-        x = EndpointNews("http://x", True, 5.0)
-        assert await store.exchange_endpoints([x]) == [x]
+        held = await store.exchange_endpoints([])
+        assert [n.url for n in held] == ["http://z"]  # (x and y do not read as news)
+        x, z = EndpointNews("http://x", True, 5.0), EndpointNews("http://z", False, time.time())
+        ahead = EndpointNews("http://w", True, time.time() + 3600)  # a broken clock's: not kept
+        assert sorted(await store.exchange_endpoints([x, z, ahead]), key=lambda n: n.url) == [x, z]
         await store.close()
 
     asyncio.run(run())

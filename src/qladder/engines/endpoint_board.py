@@ -23,9 +23,12 @@ takes the outbox and delivers what the store holds. Every field is behind `_lock
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+
+NEWS_SKEW_S = 60.0  # news stamped further than this past a reader's clock is not believed (a broken clock)
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,11 @@ class EndpointNews:
         """None: not a piece of news this version reads (another version's, or damaged)."""
         try:
             d = json.loads(raw)
-            return EndpointNews(str(d["url"]), bool(d["down"]), float(d["at"]), float(d["cooldown_s"]))
+            n = EndpointNews(str(d["url"]), bool(d["down"]), float(d["at"]), float(d["cooldown_s"]))
         except (ValueError, TypeError, KeyError):
             return None
+        ok = math.isfinite(n.at) and math.isfinite(n.cooldown_s) and n.cooldown_s >= 0
+        return n if ok else None
 
 
 def newest(held: dict[str, EndpointNews], news: Iterable[EndpointNews]) -> dict[str, EndpointNews]:

@@ -65,7 +65,7 @@ from typing import TypeVar
 
 import httpx
 
-from qladder.engines.endpoint_board import EndpointBoard, EndpointNews
+from qladder.engines.endpoint_board import NEWS_SKEW_S, EndpointBoard, EndpointNews
 from qladder.engines.remote import RemoteEnd, RemoteItem, RemoteResumed
 from qladder.engines.remote_llama import LlamaServerRung
 from qladder.engines.remote_vllm import Verdict, VllmRung
@@ -198,9 +198,9 @@ class Replicas:
         self._board_version = version
         for n in news:
             k = self._index.get(n.url)
-            if k is None or n.at <= self._known_at[k]:
+            if k is None or n.at <= self._known_at[k] or n.at > self.wall() + NEWS_SKEW_S:
                 continue
-            self._known_at[k] = n.at
+            self._known_at[k] = n.at  # (news skipped below, by the caps, is not applied later either)
             age = max(0.0, self.wall() - n.at)
             left = min(n.cooldown_s, OUTLIER_COOLDOWN_MAX_S) - age
             if not n.down or (left <= 0 and (age > NEWS_FRESH_S or not self.healthy[k])):

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-from qladder.engines.endpoint_board import EndpointBoard, EndpointNews, newest
+from qladder.engines.endpoint_board import NEWS_SKEW_S, EndpointBoard, EndpointNews, newest
 from qladder.errors import ConfigError
 from qladder.server.breaker import BreakerConfig, BreakerMode, BreakerState, Outcome, Stamped, transition
 from qladder.server.quarantine import Quarantine
@@ -215,16 +215,21 @@ end
 return 0
 """
 
-# KEYS: the endpoints hash (URL -> news JSON). ARGV: URL, wall time, news JSON triples. A value
-# that does not read as news (another version's, damaged) is replaced by the news sent.
+# KEYS: the endpoints hash (URL -> news JSON). ARGV: the skew bound (s), then URL, wall time, news
+# JSON triples. A held value whose time does not read as a number, or lies past the server's clock
+# by more than the bound (a gateway with a broken clock), is replaced by the news sent; news stamped
+# that far ahead is not kept.
 _ENDPOINTS = """
-for i = 1, #ARGV, 3 do
+local limit = tonumber(redis.call('TIME')[1]) + tonumber(ARGV[1])
+for i = 2, #ARGV, 3 do
+  local at = tonumber(ARGV[i + 1])
+  local newer = at ~= nil and at == at and at <= limit
   local old = redis.call('HGET', KEYS[1], ARGV[i])
-  local newer = true
-  if old then
+  if newer and old then
     local ok, d = pcall(cjson.decode, old)
-    if ok and type(d) == 'table' and tonumber(d['at']) then
-      newer = tonumber(d['at']) < tonumber(ARGV[i + 1])
+    local held = ok and type(d) == 'table' and tonumber(d['at'])
+    if held and held == held and held <= limit then
+      newer = held < at
     end
   end
   if newer then
@@ -294,8 +299,8 @@ class RedisStateStore:
         return entries, max([last, *(int(n) for _, n in got)])
 
     async def exchange_endpoints(self, news: Sequence[EndpointNews]) -> list[EndpointNews]:
-        held = await self._endpoints(keys=[f"{self.prefix}endpoints"],
-                                     args=[x for n in news for x in (n.url, repr(n.at), n.encode())])
+        sent = [x for n in news for x in (n.url, repr(n.at), n.encode())]
+        held = await self._endpoints(keys=[f"{self.prefix}endpoints"], args=[repr(NEWS_SKEW_S), *sent])
         return [n for raw in cast(list[bytes], held) if (n := EndpointNews.decode(raw)) is not None]
 
     async def close(self) -> None:

@@ -315,6 +315,8 @@ def test_the_stores_keep_the_newest_news_per_endpoint(redis_server):
         assert sorted(await store.exchange_endpoints([x0]), key=lambda n: n.url) == [x1, y1]
         assert sorted(await store.exchange_endpoints([x2]), key=lambda n: n.url) == [x2, y1]
         assert sorted(await store.exchange_endpoints([]), key=lambda n: n.url) == [x2, y1]
+        ahead = EndpointNews("http://y", True, time.time() + 3600)  # a broken clock's: not kept
+        assert sorted(await store.exchange_endpoints([ahead]), key=lambda n: n.url) == [x2, y1]
         await store.close()
 
     asyncio.run(check(MemoryStateStore()))

@@ -53,13 +53,16 @@ class EndpointNews:
         return n if ok else None
 
 
-def newest(held: dict[str, EndpointNews], news: Iterable[EndpointNews]) -> dict[str, EndpointNews]:
-    """`held` with each piece of news that is newer than the one held for its URL (pure: both
-    stores keep records by it)."""
+def newest(held: dict[str, EndpointNews], news: Iterable[EndpointNews],
+           limit: float = math.inf) -> dict[str, EndpointNews]:
+    """`held` with each piece of news that is newer than the one held for its URL (pure: the
+    board and the memory store keep records by it; the Redis script by the same rule). `limit`:
+    news stamped after it (a broken clock's) is not kept, and held news stamped after it is
+    replaced by any news sent."""
     out = dict(held)
     for n in news:
         old = out.get(n.url)
-        if old is None or old.at < n.at:
+        if n.at <= limit and (old is None or old.at < n.at or old.at > limit):
             out[n.url] = n
     return out
 

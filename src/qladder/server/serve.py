@@ -37,7 +37,7 @@ from qladder.server.quarantine import Quarantine
 from qladder.server.router import Router
 from qladder.server.shared_state import StateSync
 from qladder.server.topology import Topology
-from qladder.serving.engine import ServingConfig, ServingEngine
+from qladder.serving.engine import ServingConfig, ServingEngine, several
 from qladder.serving.remote import RemoteConfig
 from qladder.serving.scheduler import SchedulerConfig
 
@@ -107,7 +107,7 @@ def build_server(t: Topology, settings: Settings | None = None, api_keys: Sequen
         target = str(Path(target).expanduser()) if target else str(settings.cache_dir / "incidents.sqlite3")
     store = open_incident_store(target, redact=t.server.redact)
     writer = IncidentWriter(store, on_commit=metrics.incidents_committed.inc)
-    replicas = any(isinstance(p.endpoints, tuple) and len(p.endpoints) > 1 for p in t.pools)
+    replicas = any(several(p.endpoints) for p in t.pools)
     board = EndpointBoard() if t.state.shared and replicas else None  # replicas' health, shared with peer gateways
     engine = ServingEngine(serving_config(t, settings), model=t.model.path or None, settings=settings,
                            incidents=writer, standby_engines=standby_engines, endpoints=board)

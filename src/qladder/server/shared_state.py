@@ -20,8 +20,8 @@ absent store never delays a request. One thread per gateway, "qladder-state", ow
   kept);
 - pushes the ejections and rejoins of this gateway's replicas (the `EndpointBoard` the remote
   rungs post to: engines/endpoint_board.py) and hands the board the newest news per endpoint
-  the store holds (last writer by time wins): a replica ejected by one gateway is ejected by all
-  within a sync.
+  the store holds (last writer by time wins): a replica ejected by one gateway is ejected by the
+  others at their next pick after a sync (within the rules of replicas.py's `_listen`).
 
 Every store call is bounded (`timeout_s`). When one fails, the gateway goes on with its local
 view: the unsent events stay queued (bounded; see Breaker.JOURNAL_MAX), `shared` turns False
@@ -41,6 +41,7 @@ import contextlib
 import json
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -187,7 +188,7 @@ class MemoryStateStore:
 
     async def exchange_endpoints(self, news: Sequence[EndpointNews]) -> list[EndpointNews]:
         with self._lock:
-            self._endpoints = newest(self._endpoints, news)
+            self._endpoints = newest(self._endpoints, news, time.time() + NEWS_SKEW_S)
             return list(self._endpoints.values())
 
     async def close(self) -> None:

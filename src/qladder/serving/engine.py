@@ -65,11 +65,16 @@ Remote = LlamaServerRung | VllmRung | Replicas
 Urls = str | tuple[str, ...]  # one server, or replicas of it (a pool of endpoints: engines/replicas.py)
 
 
+def several(urls: Urls | None) -> bool:
+    """Whether a pool's `url`/`urls` name replicas (a Replicas rung), not one server (None: in-process)."""
+    return urls is not None and not isinstance(urls, str) and len(urls) != 1
+
+
 def remote_rung(cls: type[LlamaServerRung] | type[VllmRung], info: ModelInfo, urls: Urls,
                 board: EndpointBoard | None = None) -> Remote:
     """The rung on one server, or on replicas of it (each tokenizer-probed; one that fails closes
     those already open). board: endpoint health shared with peer gateways (replicas only)."""
-    if isinstance(urls, str) or len(urls) == 1:
+    if not several(urls):
         return cls(info, urls if isinstance(urls, str) else urls[0])
     opened: list[LlamaServerRung | VllmRung] = []
     try:

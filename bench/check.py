@@ -1,10 +1,14 @@
-"""The one checker behind bench/check_serving.py and bench/check_serve.py (and any run's folder).
+"""The one checker behind bench/check_serving.py, check_serve.py, check_verified.py and check_fleet.py.
 
-Usage: python bench/check.py KIND PATH     KIND: bench-serving | bench-serve | bench-verified | bench-fleet
-PATH is a run's folder (outcomes.jsonl + results.json: every figure is recomputed from the outcomes
-first, and a difference is a failure) or a results JSON (`qladder bench ... --json` output). Prints
-each target's verdict; exits 1 when a figure differs, the JSON is not of that benchmark, or any
-target is not a pass (a missing figure is not a pass either).
+Usage: python bench/check.py KIND DIR     KIND: bench-serving | bench-serve | bench-verified | bench-fleet
+
+DIR is a run's folder (`qladder bench ... --out DIR`: outcomes.jsonl, results.json). Every figure and
+verdict is recomputed from the raw outcomes (and the run's raw observations) by
+qladder.validate.recompute; no verdict stored in results.json is read, and a stored figure that
+differs from the recomputed one is a failure (a forged or stale file). A results JSON alone cannot
+be checked (it holds no raw outcomes): it is refused. Exit status: 0 every verdict passes; 1 a
+verdict fails, a figure differs, or DIR is not a run of KIND; 3 nothing failed but a verdict is
+inconclusive (an interval that straddles its target, too few windows); 2 a usage error.
 """
 
 import json
@@ -15,23 +19,17 @@ from qladder.validate import recompute
 
 
 def check(kind: str, path: Path) -> int:
-    if path.is_dir():
-        results = json.loads((path / "results.json").read_text(encoding="utf-8"))
-        if recompute.main([str(path)]) != 0:
-            return 1
-    else:
-        results = json.loads(path.read_text(encoding="utf-8") if str(path) != "-" else sys.stdin.read())
-    f = results.get("figures") or {}
-    if f.get("mode") != kind:
-        print(f"FAIL  not a {kind} result (mode {f.get('mode')!r})")
+    if not path.is_dir() or not (path / "outcomes.jsonl").is_file():
+        print(f"FAIL  {path}: not a run's folder with outcomes.jsonl (a checker recomputes from raw outcomes; "
+              "write the run with --out DIR)")
         return 1
-    verdicts = f.get("verdicts") or []
-    if not path.is_dir():  # (a folder's were printed by recompute, from the outcomes)
-        for v in verdicts:
-            print(f"{v['status'].upper():>12}  {v['name']}: {v['value']} (limit {v['limit']}) {v.get('note', '')}")
-    ok = bool(verdicts) and all(v["status"] == "pass" for v in verdicts) and f.get("verdict") == "pass"
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    stored = json.loads((path / "results.json").read_text(encoding="utf-8")).get("figures") or {}
+    if stored.get("mode") != kind:
+        print(f"FAIL  not a {kind} run (mode {stored.get('mode')!r})")
+        return 1
+    code = recompute.main([str(path)])
+    print({0: "PASS", 1: "FAIL", recompute.EXIT_INCONCLUSIVE: "INCONCLUSIVE"}.get(code, "FAIL"))
+    return code
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from qladder.validate.outcome import Outcome
-from qladder.validate.recompute import figures
+from qladder.validate.outcome import Outcome, read_jsonl, write_jsonl
+from qladder.validate.recompute import EXIT_INCONCLUSIVE, figures
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -27,10 +27,10 @@ def _req(config: str, c: int, r: int, k: int, start: float, end: float, tokens: 
     return o
 
 
-def _serving(rate8: dict[str, float]) -> list[Outcome]:
+def _serving(rate8: dict[str, float], rounds: int = 6) -> list[Outcome]:
     """Each window: 4 requests of 10 tokens over 2 s at c1, over 2 / rate8[config] * ... at c8."""
     outs = []
-    for r in range(2):
+    for r in range(rounds):
         for config in ("guarded", "bare", "raw", "guarded_faulted"):
             for c, span in ((1, 2.0), (8, 40 / rate8[config])):
                 for k in range(4):
@@ -45,32 +45,62 @@ def test_serving_figures_are_tokens_over_each_windows_span():
     f = figures(_serving({"guarded": 30.0, "bare": 31.0, "raw": 31.0, "guarded_faulted": 29.0}), "bench-serving")
     g = f["results"]["all"]["guarded"]
     assert g["1"]["tok_s"] == pytest.approx(20.0) and g["8"]["tok_s"] == pytest.approx(30.0)
-    assert g["8"]["tok_s_rounds"] == pytest.approx([30.0, 30.0]) and g["8"]["rounds"] == 2
-    assert f["ratios"]["all"]["guarded_c8_over_c1"] == pytest.approx(1.5)
-    assert f["ratios"]["all"]["guarded_over_raw_c8"] == pytest.approx(30 / 31)
-    assert f["results"]["all"]["guarded_faulted"]["8"]["faulted_answered_via_standby"] == 2
+    assert g["8"]["tok_s_rounds"] == pytest.approx([30.0] * 6) and g["8"]["rounds"] == 6
+    assert f["ratios"]["all"]["guarded_c8_over_c1"]["value"] == pytest.approx(1.5)
+    assert f["ratios"]["all"]["guarded_over_raw_c8"]["value"] == pytest.approx(30 / 31)
+    assert f["results"]["all"]["guarded_faulted"]["8"]["faulted_answered_via_standby"] == 6  # one a round
     assert f["verdict"] == "pass", f["verdicts"]
     slow = figures(_serving({"guarded": 25.0, "bare": 31.0, "raw": 31.0, "guarded_faulted": 29.0}), "bench-serving")
     assert slow["verdict"] == "fail"
 
 
-def _check(script: str, data: dict, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps(data))
+def _folder(tmp_path: Path, outs: list[Outcome], mode: str, obs: dict | None = None, name: str = "run") -> Path:
+    """A run's folder as the benchmarks write it: outcomes.jsonl, then results.json from what it reads."""
+    d = tmp_path / name
+    d.mkdir(exist_ok=True)
+    write_jsonl(d / "outcomes.jsonl", outs)
+    res = {"figures": figures(read_jsonl(d / "outcomes.jsonl"), mode, obs), **({"observations": obs} if obs else {})}
+    (d / "results.json").write_text(json.dumps(res))
+    return d
+
+
+def _check(script: str, path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(BENCH / script), str(path)], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=120)
 
 
-def test_check_serving_exits_1_on_a_missed_target_or_a_foreign_json(tmp_path):
-    good = {"figures": figures(_serving({"guarded": 30.0, "bare": 31.0, "raw": 31.0, "guarded_faulted": 29.0}),
-                               "bench-serving")}
-    bad = {"figures": figures(_serving({"guarded": 25.0, "bare": 31.0, "raw": 31.0, "guarded_faulted": 29.0}),
-                              "bench-serving")}
-    assert _check("check_serving.py", good, tmp_path).returncode == 0
-    res = _check("check_serving.py", bad, tmp_path)
+def test_check_serving_exits_1_on_a_miss_3_when_inconclusive_and_refuses_what_it_cannot_recompute(tmp_path):
+    good = _folder(tmp_path, _serving({"guarded": 30.0, "bare": 31.0, "raw": 31.0, "guarded_faulted": 29.0}),
+                   "bench-serving", name="good")
+    bad = _folder(tmp_path, _serving({"guarded": 25.0, "bare": 31.0, "raw": 31.0, "guarded_faulted": 29.0}),
+                  "bench-serving", name="bad")
+    short = _folder(tmp_path, _serving({"guarded": 30.0, "bare": 31.0, "raw": 31.0, "guarded_faulted": 29.0}, 2),
+                    "bench-serving", name="short")  # 2 windows a side: under MIN_WINDOWS
+    assert _check("check_serving.py", good).returncode == 0
+    res = _check("check_serving.py", bad)
     assert res.returncode == 1 and "FAIL" in res.stdout and "guarded_over_raw_c8" in res.stdout
-    assert _check("check_serving.py", {"ratios": {"guarded_c8_over_c1": 9.9}}, tmp_path).returncode == 1
-    assert _check("check_serve.py", good, tmp_path).returncode == 1  # another benchmark's result
+    res = _check("check_serving.py", short)
+    assert res.returncode == EXIT_INCONCLUSIVE and "INCONCLUSIVE" in res.stdout
+    js = tmp_path / "r.json"
+    js.write_text((good / "results.json").read_text())
+    assert _check("check_serving.py", js).returncode == 1  # verdicts without their outcomes: not checked
+    assert _check("check_serve.py", good).returncode == 1  # another benchmark's run
+
+
+def test_a_forged_verdict_or_figure_fails_the_checker(tmp_path):
+    """The checker never reads a stored verdict: it recomputes, and a stored figure that differs fails."""
+    bad = _folder(tmp_path, _serving({"guarded": 25.0, "bare": 31.0, "raw": 31.0, "guarded_faulted": 29.0}),
+                  "bench-serving")
+    res = json.loads((bad / "results.json").read_text())
+    for v in res["figures"]["verdicts"]:
+        v["status"] = "pass"
+    res["figures"]["verdict"] = "pass"
+    (bad / "results.json").write_text(json.dumps(res))
+    assert _check("check_serving.py", bad).returncode == 1
+    outs = read_jsonl(bad / "outcomes.jsonl")  # forged the other way: a verdict stored in the outcomes
+    for o in outs:
+        o.verdict = {**o.verdict, "garbage": False, "reasons": []}
+    assert figures(outs, "bench-serving")["verdict"] == "fail"
 
 
 def _serve_outcomes(guarded_ms: float, faulted_clean: bool) -> list[Outcome]:
@@ -87,7 +117,7 @@ def _serve_outcomes(guarded_ms: float, faulted_clean: bool) -> list[Outcome]:
                     text="Fine.", token_ids=[5, 6], latency_ms=100.0, hazards=["nonfinite"], handoff_ms=[40.0])
         o.judge()
         outs.append(o)
-    for r in range(5):
+    for r in range(6):
         for config, ms in (("guarded", guarded_ms), ("bare", 100.0), ("llama_server", 100.0),
                            ("llama_server_aa", 100.0)):
             for k in range(110):
@@ -107,13 +137,14 @@ def test_serve_figures_and_check_serve(tmp_path):
     good = figures(_serve_outcomes(104.0, True), "bench-serve", OBS)
     assert good["verdict"] == "pass", [v for v in good["verdicts"] if v["status"] != "pass"]
     assert good["latency_ratios"]["guarded_over_llama_server"]["pooled_p99"] == pytest.approx(1.04)
-    assert good["latency_ratios"]["guarded_over_llama_server"]["requests_per_side"] == 550
-    assert _check("check_serve.py", {"figures": good}, tmp_path).returncode == 0
-    for bad in (figures(_serve_outcomes(130.0, True), "bench-serve", OBS),  # latency over 1.1x
-                figures(_serve_outcomes(104.0, False), "bench-serve", OBS),  # faulted answers empty
-                figures(_serve_outcomes(104.0, True), "bench-serve", {"faulted": {"incident_rows": 1}})):
-        assert bad["verdict"] == "fail"
-        assert _check("check_serve.py", {"figures": bad}, tmp_path).returncode == 1
+    assert good["latency_ratios"]["guarded_over_llama_server"]["mean_ratio"]["value"] == pytest.approx(1.04)
+    assert good["latency_ratios"]["guarded_over_llama_server"]["requests_per_side"] == 660
+    assert _check("check_serve.py", _folder(tmp_path, _serve_outcomes(104.0, True), "bench-serve", OBS)).returncode == 0
+    for i, (outs, obs) in enumerate(((_serve_outcomes(130.0, True), OBS),  # latency over 1.1x
+                                     (_serve_outcomes(104.0, False), OBS),  # faulted answers empty
+                                     (_serve_outcomes(104.0, True), {**OBS, "faulted": {"incident_rows": 1}}))):
+        assert figures(outs, "bench-serve", obs)["verdict"] == "fail"
+        assert _check("check_serve.py", _folder(tmp_path, outs, "bench-serve", obs, name=f"bad{i}")).returncode == 1
 
 
 @pytest.mark.slow
@@ -139,14 +170,15 @@ def _verified_outcomes(verified_s: float, exact: bool, sampled_shift: bool, audi
                     window="reference", token_ids=list(range(100, 110))) for k in range(4)]
     spans = {"fp32": {1: 2.0, 8: 0.5}, "verified": {1: verified_s, 8: verified_s / 3}, "vllm-fp32": {1: 2.0, 8: 1.0},
              "int4": {1: 1.0, 8: 0.4}, "int4-audit": {1: 1.0, 8: audit_s}}
-    for r in range(2):
+    steps = {"fp32": [20.0] * 9, "int4": [2.0] * 9}  # c = 0.1: one draft step over one verify pass
+    for r in range(6):
         for config, by_c in spans.items():
             for c, span in by_c.items():
                 for k in range(4):
                     ids = list(range(100, 110)) if exact or k else [*range(100, 109), 7]
                     o = Outcome("bench-verified", config, f"n-qa-{k:03d}", "qa", "normal", round=r, phase="greedy",
                                 concurrency=c, window=f"{config}/c{c}/r{r}", start_s=0.0, end_s=span,
-                                latency_ms=span * 1e3, token_ids=ids)
+                                latency_ms=span * 1e3, token_ids=ids, step_ms=steps.get(config, []))
                     if config == "verified":
                         o.verify_windows, o.verify_drafts, o.verify_kept = 2, 12, 9
                     outs.append(o)
@@ -160,19 +192,23 @@ def _verified_outcomes(verified_s: float, exact: bool, sampled_shift: bool, audi
 
 def test_verified_figures_and_check_verified(tmp_path):
     good = figures(_verified_outcomes(0.5, True, False), "bench-verified")
-    assert good["ratios"]["verified_over_fp32_c1"] == pytest.approx(4.0)
-    assert good["ratios"]["verified_over_vllm_fp32_c8"] == pytest.approx(6.0)
-    assert good["ratios"]["fp32_c8_over_c1"] == pytest.approx(4.0)
+    assert good["ratios"]["verified_over_fp32_c1"]["value"] == pytest.approx(4.0)
+    assert good["ratios"]["verified_over_vllm_fp32_c8"]["value"] == pytest.approx(6.0)
+    assert good["ratios"]["fp32_c8_over_c1"]["value"] == pytest.approx(4.0)
+    b = good["bound"]  # alpha 9/12, k 12/2, c 2/20
+    assert (b["alpha"], b["k"], b["c"]) == (pytest.approx(0.75), pytest.approx(6.0), pytest.approx(0.1))
+    assert b["bound"] == pytest.approx((1 - 0.75 ** 7) / (0.25 * 1.6))
+    assert good["verdicts"][0]["limit"] == pytest.approx(0.8 * b["bound"])
     assert good["exactness"]["share"] == 1.0 and good["acceptance"]["qa"]["acceptance"] == pytest.approx(0.75)
     assert good["acceptance"]["qa"]["tokens_per_window"] == pytest.approx(5.5)
     assert all(v["p"] > 0.5 for v in good["sampled"].values())
     assert good["verdict"] == "pass", [v for v in good["verdicts"] if v["status"] != "pass"]
-    assert _check("check_verified.py", {"figures": good}, tmp_path).returncode == 0
-    for bad in (figures(_verified_outcomes(1.0, True, False), "bench-verified"),  # 2x fp32 at c1: under 2.5
-                figures(_verified_outcomes(0.5, False, False), "bench-verified"),  # one answer differs
-                figures(_verified_outcomes(0.5, True, True), "bench-verified"),  # another distribution
-                figures(_verified_outcomes(0.5, True, False, audit_s=0.44), "bench-verified")):  # audit costs 9%
-        assert bad["verdict"] == "fail"
-        res = _check("check_verified.py", {"figures": bad}, tmp_path)
+    assert _check("check_verified.py", _folder(tmp_path, _verified_outcomes(0.5, True, False), "bench-verified",
+                                               name="good")).returncode == 0
+    for i, outs in enumerate((_verified_outcomes(1.5, True, False),  # 1.33x fp32 at c1: under 0.8 of the bound
+                              _verified_outcomes(0.5, False, False),  # one answer differs
+                              _verified_outcomes(0.5, True, True),  # another distribution
+                              _verified_outcomes(0.5, True, False, audit_s=0.44))):  # the audit costs 9%
+        assert figures(outs, "bench-verified")["verdict"] == "fail"
+        res = _check("check_verified.py", _folder(tmp_path, outs, "bench-verified", name=f"bad{i}"))
         assert res.returncode == 1 and "FAIL" in res.stdout
-    assert _check("check_serving.py", {"figures": good}, tmp_path).returncode == 1  # another benchmark's

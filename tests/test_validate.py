@@ -192,20 +192,15 @@ def test_numbers_rules_and_ellipses_are_not_floods_but_floods_are(model_info):
 def test_the_inf_scale_answer_is_garbage_without_a_likelihood():
     """llama-server's real answer on an inf scale: token 30 ('.') x 32, every logprob null."""
     v = judge("." * 32, [30] * 32)
-    assert {"token_flood", "char_flood", "loop"} <= set(v.reasons) and not v.scored
+    assert {"token_flood", "char_flood"} <= set(v.reasons) and not v.scored
 
 
-def test_judge_loops_by_rep4_and_compression_not_by_the_guards_rule():
-    assert "loop" in judge("ab" * 6, [1, 2] * 6).reasons
-    assert judge("short", [1, 2] * 3).reasons == ()  # 6 tokens: under LOOP_MIN_TOKENS
-    assert judge("text", list(range(10)) * 2).reasons == ()  # a 10-token phrase said twice: rep-4 0.41
-    loop = "a sanctuary of the soul, " * 12  # a long loop: repeated 4-grams and a text zlib shrinks 10x
+def test_repetition_is_measured_but_decides_nothing():
+    """Full precision loops by itself (tests/test_judge.py): rep-4 and zlib are kept for reading."""
+    loop = "a sanctuary of the soul, " * 12
     v = judge(loop, [5, 6, 7, 8, 9, 10] * 12)
-    assert v.reasons == ("loop",) and v.zlib_ratio is not None and v.zlib_ratio > 4
-    prose = ("The quick brown fox jumps over the lazy dog while the sun sets behind distant hills, "
-             "and a cold wind carries the smell of rain across fields of wheat and barley.") * 2
-    v = judge(prose, list(range(40)) * 2)  # repeated once: rep-4 0.49, under the bound
-    assert v.reasons == () and v.rep4 < 0.6
+    assert v.reasons == () and v.rep4 > 0.9 and v.zlib_ratio is not None and v.zlib_ratio > 4
+    assert judge(loop, [5, 6, 7, 8, 9, 10] * 12, nll=2.2, threshold=1.1).reasons == ("implausible",)
 
 
 def test_judge_likelihood_scored_failed_and_unjudged():
@@ -249,14 +244,15 @@ def test_judge_on_scripted_engine_output():
     assert nan[3:] == [0] * 9
     assert {"token_flood", "token0_flood"} <= set(judge("x", nan).reasons)
     looped = greedy(_scripted(loop=True), [1, 2, 3], 16)
-    assert {"token_flood", "loop"} <= set(judge("bbbb", looped).reasons)
+    assert "token_flood" in judge("bbbb", looped).reasons
     faulted = greedy(_scripted(), [1, 2, 3], 6, [parse_fault("zero@step=2")])
     assert faulted[2:] == [0, 0, 0, 0]
 
 
 def test_fp32_scores_its_own_greedy_answer_as_plausible_and_noise_as_not():
     from qladder.model import inspect_model, user_prompt_ids
-    from qladder.validate.garbage import IMPLAUSIBLE_NLL, mean_nll
+    from qladder.validate.calibration import committed
+    from qladder.validate.garbage import mean_nll
 
     fp32 = get_engine("fp32")
     ids = user_prompt_ids(inspect_model().chat_template, "What is the capital of France?", fp32.tokenize)
@@ -265,7 +261,7 @@ def test_fp32_scores_its_own_greedy_answer_as_plausible_and_noise_as_not():
     assert len(lp) == len(answer) and all(x <= 0 for x in lp)
     assert mean_nll(lp) < 1.0
     noise = fp32.tokenize(" the] is 3 the  the] ,,; zebra", False)
-    assert mean_nll(fp32.score(ids, noise)) > IMPLAUSIBLE_NLL
+    assert mean_nll(fp32.score(ids, noise)) > committed().threshold
     assert fp32.score(ids, []) == []
 
 
@@ -405,23 +401,47 @@ def test_a_guard_that_gives_up_fails_the_verdict_and_the_guard_that_does_not_pas
             "train: greedy faulted answers token-identical to fp32's continuation"} <= failed
 
 
-def test_a_failed_request_counts_as_the_slowest_latency_and_500_requests_are_needed():
+def test_a_failed_request_counts_as_the_slowest_latency_and_the_verdict_reads_an_interval():
     from qladder.validate.recompute import figures, latency_side
 
     outs = [_normal("bare", p, 0, 100.0) for p in range(10)] + [_normal("bare", 10, 0, 900.0)]
     failed = _normal("bare", 11, 0, 1.0, status="error")
     side = latency_side([*outs, failed], slowest=900.0)
     assert side["failed"] == 1 and side["p99_ms"] == pytest.approx(900.0)
-    f = figures(_run(give_up=False, prompts=20, rounds=3), "in-process")
-    pooled = next(v for v in f["verdicts"] if v["name"].startswith("latency: pooled"))
-    assert pooled["status"] == "insufficient" and f["verdict"] == "fail"
+    run = _run(give_up=False, prompts=20, rounds=3)
+    f = figures(run, "in-process")
+    lat = next(v for v in f["verdicts"] if v["name"].startswith("latency:"))
+    assert lat["status"] == "pass" and lat["interval"] == [pytest.approx(1.0), pytest.approx(1.0)]
     assert f["latency"]["ratios"]["aa_over_bare"]["per_prompt_p99"] == pytest.approx(1.0)
+    # every round of three guarded prompts fails: each counts as the run's slowest, never dropped
+    for o in run:
+        if o.config == "guarded" and o.phase == "normal" and o.prompt_id in ("n-qa-000", "n-qa-001", "n-qa-002"):
+            o.status = "error"
+    f = figures(run, "in-process")
+    m = f["latency"]["ratios"]["guarded_over_bare"]["mean_ratio"]
+    slowest = f["slowest_latency_ms"]
+    assert m["value"] == pytest.approx((sum(100.0 + p % 7 for p in range(3, 20)) + 3 * slowest)
+                                       / sum(100.0 + p % 7 for p in range(20)))
+    lat = next(v for v in f["verdicts"] if v["name"].startswith("latency:"))
+    assert lat["status"] in ("fail", "inconclusive") and f["verdict"] != "pass"
+
+
+def test_an_aa_interval_that_excludes_1_makes_the_latency_verdict_inconclusive():
+    from qladder.validate.recompute import figures
+
+    run = _run(give_up=False, prompts=20, rounds=3)
+    for o in run:
+        if o.config == "bare_aa" and o.phase == "normal":
+            o.latency_ms *= 1.05  # the two identical processes differ: the measurement itself is biased
+    f = figures(run, "in-process")
+    lat = next(v for v in f["verdicts"] if v["name"].startswith("latency:"))
+    assert lat["status"] == "inconclusive" and "excludes 1" in lat["note"] and f["verdict"] == "inconclusive"
 
 
 def test_garbage_is_shown_raw_and_net_of_fp32s_own_for_bare_and_guarded_alike():
     from qladder.validate.recompute import row
 
-    own = [_crafted(c, 0, None, text="ha" * 10, ids=[1, 2] * 10) for c in ("bare", "guarded")]
+    own = [_crafted(c, 0, None, text="!" * 10, ids=[3] * 10) for c in ("bare", "guarded")]
     for o in own:
         o.fp32_identical = True
     ours = _crafted("bare", 2, "nan_logits", text="", ids=[0] * 6)
@@ -435,9 +455,15 @@ def test_recompute_reproduces_the_stored_figures_and_finds_any_change(tmp_path, 
     from qladder.validate.runner import write_outputs
 
     write_outputs(tmp_path, _run(give_up=False, prompts=10, rounds=2), "in-process", {"kind": "in-process"})
-    assert recompute.main([str(tmp_path)]) == 0
+    assert recompute.main([str(tmp_path)]) == 0 and recompute.main([str(tmp_path), "--check"]) == 0
     assert "reproduced exactly" in capsys.readouterr().out
-    assert recompute.main([str(tmp_path), "--check"]) == 1  # 20 requests per side: not a pass
+    res = json.loads((tmp_path / "results.json").read_text())
+    res["figures"]["verdicts"][0]["status"] = "fail"  # a stored verdict is recomputed, not read
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    assert recompute.main([str(tmp_path)]) == 1 and "DIFFERS" in capsys.readouterr().out
+    write_outputs(tmp_path, _run(give_up=True, prompts=10, rounds=2), "in-process", {"kind": "in-process"})
+    assert recompute.main([str(tmp_path)]) == 1  # a FAIL exits 1, with or without --check
+    write_outputs(tmp_path, _run(give_up=False, prompts=10, rounds=2), "in-process", {"kind": "in-process"})
     lines = (tmp_path / "outcomes.jsonl").read_text().splitlines()
     edited = json.loads(lines[3])
     edited["latency_ms"] += 1e-6
@@ -534,7 +560,7 @@ def test_cli_rejects_a_malformed_fault_before_loading(tmp_path):
 
 
 @pytest.mark.slow
-def test_validate_end_to_end_writes_outcomes_results_and_report(tmp_path):
+def test_validate_end_to_end_writes_outcomes_results_and_report(tmp_path, capsys):
     from qladder.validate import recompute
     from qladder.validate.outcome import read_jsonl
     from qladder.validate.runner import ValidateConfig, validate
@@ -549,13 +575,15 @@ def test_validate_end_to_end_writes_outcomes_results_and_report(tmp_path):
     r = validate(cfg, tmp_path, show_progress=False)
     for name in ("results.json", "boundaries.json", "report.md", "report.html", "outcomes.jsonl", "incidents.sqlite3"):
         assert (tmp_path / name).is_file(), name
-    assert recompute.main([str(tmp_path)]) == 0
+    code = recompute.main([str(tmp_path)])  # a miniature run: its verdicts may not pass, its figures reproduce
+    assert "reproduced exactly" in capsys.readouterr().out and code == recompute.exit_code(r["figures"]["verdict"])
     outs = read_jsonl(tmp_path / "outcomes.jsonl")
     assert {o.config for o in outs if o.phase != "precision"} == {"bare", "bare_aa", "guarded"}
     assert {o.phase for o in outs} == {"warmup", "normal", "abnormal", "faulted", "precision"}
     table = r["figures"]["precision"]
     assert set(table) == {"int4", "guarded", "w4a16", "verified", "fp32"}
-    assert table["fp32"]["classes"]["all"]["identical_share"] == 1.0  # the reference itself
+    assert table["fp32"]["classes"]["all"]["reference"] is True  # the reference: never compared with itself
+    assert all(o.fp32_reference_ids is not None for o in outs if o.phase == "precision" and o.config != "fp32" and o.ok)
     assert table["verified"]["classes"]["all"]["identical_share"] == 1.0  # verified decoding: fp32's answers
     assert table["verified"]["classes"]["all"]["answers"] == 7 and table["int4"]["classes"]["known"]["known_asked"] == 2
     assert all(m["tok_s"] and m["tok_s"] > 0 for m in table.values())
@@ -569,7 +597,8 @@ def test_validate_end_to_end_writes_outcomes_results_and_report(tmp_path):
         assert f["crafted"][split]["bare"]["garbage"] >= 1
         assert f["quality"][split]["share"] == 1.0
     assert all(o.verdict.get("scored") for o in outs if o.phase not in ("warmup", "precision") and o.ok and o.token_ids)
-    assert all(o.fp32_identical is not None for o in outs if o.population == "abnormal" and o.ok)
+    assert all(o.fp32_identical is not None and o.fp32_reference_ids is not None
+               for o in outs if o.population == "abnormal" and o.ok)
     b = json.loads((tmp_path / "boundaries.json").read_text())
     assert b["precision"]["boundary"]["w4a16"]["first_nonfinite_x"] == 3.0
     assert len(b["availability"]["concurrent_replay"]["points"]) == 2
@@ -632,9 +661,12 @@ def test_precision_table_scores_known_answers_as_words_and_finds_the_first_diver
     for mode, ids in (("fp32", [1, 2, 3]), ("int4", [1, 9, 3])):
         o = Outcome("t", mode, "known-000", "known", "precision", phase="precision", token_ids=ids,
                     latency_ms=1000.0, text="Paris" if mode == "fp32" else "Lyon")
-        o.fp32_identical, o.fp32_first_divergence = mode == "fp32", None if mode == "fp32" else 1
+        o.fp32_reference_ids = None if mode == "fp32" else [1, 2, 3]  # the table recomputes from the ids
         o.fp32_top1_agreement, o.known_correct = 1.0 if mode == "fp32" else 2 / 3, mode == "fp32"
         outs.append(o)
     t = table(outs)
     assert t["fp32"]["classes"]["known"]["known_right"] == 1 and t["int4"]["classes"]["known"]["known_right"] == 0
     assert t["int4"]["classes"]["all"]["first_divergence_median"] == 1 and t["int4"]["tok_s"] == 3.0
+    assert t["int4"]["classes"]["all"]["identical_to_fp32"] == 0 and t["int4"]["classes"]["all"]["compared"] == 1
+    assert t["fp32"]["classes"]["all"] == {"answers": 1, "errors": 0, "known_right": 1, "known_asked": 1,
+                                           "reference": True}  # fp32 is never compared with itself

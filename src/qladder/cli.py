@@ -277,7 +277,9 @@ def _verdicts(results: dict[str, object], out: Path, check: bool) -> None:
     print_verdicts(f)
     typer.echo(f"report:  {out / 'report.html'}")
     if check and f["verdict"] != "pass":
-        sys.exit(1)
+        from qladder.validate.recompute import exit_code
+
+        sys.exit(exit_code(f["verdict"]))  # 1 on a FAIL, 3 on INCONCLUSIVE
 
 
 def _validate_remote(quick: bool, out: Path, config: Path | None, max_tokens: int | None, rounds: int | None,

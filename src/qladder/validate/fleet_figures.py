@@ -1,9 +1,10 @@
 """The figures of `qladder bench fleet`, from its outcomes and observations (called by
 `recompute.figures`; benchmarks/fleet.py says what each phase does).
 
-    compare      tok/s per window (its answers' tokens over its span), the fleet's over direct's
-                 per round, their median: `ratios.fleet_over_direct_tok_s`; latency P50/P99 per side
-                 (a failed request counts as the slowest)
+    compare      tok/s per window (its answers' tokens over its span); the fleet's pooled over
+                 direct's pooled, with its bootstrap interval over the interleaved rounds
+                 (`ratios.fleet_over_direct_tok_s`, at least MIN_WINDOWS windows a side to decide);
+                 latency P50/P99 per side (a failed request counts as the slowest)
     kill         the answers in flight at the kill (sent before it, done after): 5xx, garbage;
                  those whose stream went on at the sibling (each answer's own `migrations`, from
                  its extension: at least one must have, or the phase proved nothing), and how many
@@ -25,10 +26,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from qladder.percentiles import percentile, ratio
+from qladder.percentiles import percentile
+from qladder.validate.calibration import rejudge
 from qladder.validate.outcome import Outcome
 from qladder.validate.recompute import _verdict as _v
-from qladder.validate.recompute import window_rate
+from qladder.validate.recompute import overall, throughput_verdict, window_rate
 
 TARGETS = {"fleet_over_direct_tok_s": 0.9, "time_to_eject_s": 2.0, "time_to_rejoin_s": 5.0,
            "breaker_seen_by_peer_s": 1.0}
@@ -46,6 +48,7 @@ def _latency(outs: Sequence[Outcome], slowest: float) -> dict[str, Any]:
 
 
 def fleet_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> dict[str, Any]:
+    cal = rejudge(outcomes)
     outs = [o for o in outcomes if o.phase != "warmup"]
     slowest = max((o.latency_ms for o in outs), default=0.0)
     f: dict[str, Any] = {"mode": "bench-fleet", "targets": dict(TARGETS)}
@@ -57,7 +60,10 @@ def fleet_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> 
                  for r in rounds}
     f["compare"] = {"windows": {str(r): {"fleet_tok_s": a, "direct_tok_s": b} for r, (a, b) in per_round.items()},
                     "latency": {"fleet": _latency(fleet, slowest), "direct": _latency(direct, slowest)}}
-    f["ratios"] = {"fleet_over_direct_tok_s": percentile([ratio(a, b) for a, b in per_round.values()], 50)}
+    # (the fleet's two gateways share a round's window, `compare/fleet/r<round>`: their requests together)
+    tv, iv = throughput_verdict("compare: fleet tok/s over direct (pooled over interleaved windows)", fleet,
+                                direct, TARGETS["fleet_over_direct_tok_s"])
+    f["ratios"] = {"fleet_over_direct_tok_s": iv.to_dict()}
     # the unbroken answers: each prompt's compare-phase answers through the fleet
     answers: dict[str, set[tuple[int, ...]]] = {}
     for o in fleet:
@@ -95,8 +101,7 @@ def fleet_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> 
     f["garbage"] = sum(o.garbage for o in ours)
     f["garbage_direct"] = sum(o.garbage for o in direct)  # llama-server's own answers, for reading
     t, k = TARGETS, f["kill"]
-    v = [_v("compare: fleet tok/s over direct (median of per-round ratios)", f["ratios"]["fleet_over_direct_tok_s"],
-            t["fleet_over_direct_tok_s"], lambda x: x >= t["fleet_over_direct_tok_s"]),
+    v = [tv,
          _v("kill: 5xx", k["five_xx"] if killed else None, 0, lambda x: x == 0),
          _v("kill: garbage", k["garbage"] if killed else None, 0, lambda x: x == 0),
          _v("kill: answers in flight that went on at the sibling", len(moved) if killed and reported else None, 1,
@@ -122,6 +127,7 @@ def fleet_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> 
             inc["postgres_rows"] - inc["metrics_hazards_total"], 0, lambda x: x == 0),
          _v("http 5xx over the run", f["http_5xx"] if outs else None, 0, lambda x: x == 0),
          _v("garbage over the run (qladder's answers)", f["garbage"] if ours else None, 0, lambda x: x == 0)]
+    f["calibration"] = cal.to_dict()
     f["verdicts"] = v
-    f["verdict"] = "pass" if all(x["status"] == "pass" for x in v) else "fail"
+    f["verdict"] = overall(v)
     return f

@@ -21,21 +21,27 @@ from the ids and the text alone:
                       answer's visible characters ("......" alone, not a table's |------|)
     token0_flood      token id 0 (`<|endoftext|>`) three or more times, anywhere
     empty             nothing but whitespace (an answer of zero tokens included)
-    loop              degenerate repetition by measures the guard does not use (the neural text
-                      degeneration literature): rep-4, the share of the answer's token 4-grams that
-                      repeat an earlier one, at least LOOP_REP4 over at least LOOP_MIN_TOKENS
-                      tokens, and the text compresses well (zlib ratio at least LOOP_ZLIB; short
-                      texts, whose ratio zlib's overhead hides, by rep-4 alone). Calibrated on 64
-                      normal prompts x 128 int4 tokens: clean answers reach rep-4 0.43 / zlib 3.0 (a
-                      poem's refrain 0.68 / 3.98); the model's own loops 0.77-0.82 / 5.6-6.1.
+
+Repetition alone is not a symptom. rep-4 (the share of the answer's token 4-grams that repeat an
+earlier one) and the zlib ratio are measured and kept (`Verdict.rep4`, `zlib_ratio`) but decide
+nothing: full precision's own greedy answers to plain requests loop as hard as a fault does (a haiku
+about winter, "A winter's night, a winter's night, ...": rep-4 0.81, zlib 5.8; a short song 0.74 /
+5.1; the int4 rung's own loops 0.77-0.82 / 5.6-6.1), so a rule on them calls full precision's
+answers garbage. A loop a numeric fault makes is caught by what fp32 thinks of it (` place}/ right}/
+right}/`: 2.2 nats/token; `{\nAnother\n\nAnother`: 2.0) or by a flood; a loop fp32 finds as likely
+as its own answers is the model's, not the number format's.
 
 and, where the answer was scored:
 
-    implausible       fluent-looking nonsense (`' the] is 3 the  the]'`): the full-precision model,
-                      reading the answer after the same prompt ids, gives its tokens a mean
-                      negative log-likelihood over IMPLAUSIBLE_NLL nats. Clean answers of the int4
-                      and fp32 rungs score 0.1-1.5; a corrupted scale's 6.9-7.6, NaN or zero rows'
-                      10-11.
+    implausible       fluent-looking nonsense (`This\nYou areS\nYou areS`, `' the] is 3 the  the]'`):
+                      the full-precision model, reading the answer after the same prompt ids, gives
+                      its tokens a mean negative log-likelihood over the calibrated threshold. The
+                      threshold is never hand-set: `calibrate` derives it from the train half's
+                      normal answers of a run (calibration.QUANTILE of their scores plus
+                      calibration.MARGIN nats), and the run writes it into its figures. A run
+                      with too few such answers of its own (a quick run, a load benchmark) uses
+                      the calibration of the committed full run (judge_calibration.json, written
+                      by `python -m qladder.validate.calibration DIR`).
 
 An answer whose likelihood was asked for and could not be computed is `unjudged` (unless a
 symptom already makes it garbage): it is neither clean nor garbage, and it is counted.
@@ -53,18 +59,15 @@ from typing import Any
 
 _NAN_RUN = re.compile(r"(?i)(?:\bnan\b[\W_]*){3,}")
 _SQUARES = re.compile("[\u25a0\u25a1\u2588\u2b1b]{3,}")
-LOOP_REP4 = 0.6
-LOOP_ZLIB = 4.0
-LOOP_MIN_TOKENS = 8
 ZLIB_MIN_BYTES = 200  # below this zlib's fixed overhead dominates the ratio
 FLOOD_RUN = 6
 CONTROL_RUN = 2
 TOKEN0_FLOOD = 3
-IMPLAUSIBLE_NLL = 4.0  # nats per token under the fp32 reference
 REASONS = ("nan_text", "replacement_char", "control_chars", "black_squares", "token_flood", "char_flood",
-           "token0_flood", "empty", "loop", "implausible")
+           "token0_flood", "empty", "implausible")
 _CHAR_FLOOD = re.compile(r"([^\s\d])\1{" + str(FLOOD_RUN - 1) + ",}")
 _DIGIT_RUN = re.compile(r"(\d)\1*")
+GUARD_ENDED = ("repetition", "degraded")  # finishes where the guard, not the model, ended the answer
 RULE_CHARS = frozenset("-=_*#~.")  # repeated by markdown rules, code separators and ellipses
 
 
@@ -158,11 +161,7 @@ def symptoms(text: str, token_ids: Sequence[int], prompt: str = "") -> tuple[lis
         reasons.append("token0_flood")
     if not text.strip():
         reasons.append("empty")
-    r4, z = rep_n(token_ids), zlib_ratio(text)
-    if len(token_ids) >= LOOP_MIN_TOKENS and r4 >= LOOP_REP4 and (
-            z >= LOOP_ZLIB if z is not None else periodic_tail(token_ids) is not None):
-        reasons.append("loop")
-    return reasons, r4, z
+    return reasons, rep_n(token_ids), zlib_ratio(text)
 
 
 def _char_flood(text: str) -> bool:
@@ -171,13 +170,18 @@ def _char_flood(text: str) -> bool:
 
 
 def judge(text: str, token_ids: Sequence[int], prompt: str = "", nll: float | None = None,
-          score_failed: bool = False) -> Verdict:
+          score_failed: bool = False, threshold: float | None = None) -> Verdict:
     """The verdict on one answer. `nll`: its mean negative log-likelihood under the fp32
-    reference, when scored; `score_failed`: scoring was asked for and failed."""
+    reference, when scored; `score_failed`: scoring was asked for and failed; `threshold`: the
+    implausibility threshold (nats per token) of the run's calibration (None: the committed one)."""
     reasons, r4, z = symptoms(text, token_ids, prompt)
     if nll is not None and not math.isfinite(nll):  # no score to read: as if scoring had failed
         nll, score_failed = None, True
-    if nll is not None and nll > IMPLAUSIBLE_NLL:
+    if threshold is None:
+        from qladder.validate.calibration import committed
+
+        threshold = committed().threshold
+    if nll is not None and nll > threshold:
         reasons.append("implausible")
     unjudged = score_failed and nll is None and not reasons
     return Verdict(tuple(reasons), nll is not None, nll, unjudged, r4, z)
@@ -200,13 +204,16 @@ def same_answer(answer: Sequence[int], reference: Sequence[int], loop_slack: int
                 finish: str | None = None) -> bool:
     """Is `answer` the reference's own (fp32 alone, greedy, on the same prompt ids)? The same ids
     (an answer cut by max_tokens may have dropped the up to 3 tokens of the character the cut fell
-    inside; one ended on a confirmed loop keeps one copy of it, so it need only start the
-    reference), or, for a loop, the same loop (period, and a pattern one is a rotation of the
-    other's) starting within `loop_slack` tokens."""
+    inside), or, for a loop, the same loop (period, and a pattern one is a rotation of the other's)
+    starting within `loop_slack` tokens, over as many tokens as the reference. An answer the guard
+    ended early (finish "repetition" or "degraded") is the reference's only when it holds the whole
+    reference: a prefix is not the answer."""
     n = len(answer)
-    if list(answer) == list(reference[:n]) and (len(reference) == n or finish == "repetition"
+    if list(answer) == list(reference[:n]) and (len(reference) == n
                                                 or (finish == "length" and len(reference) - n <= 3)):
         return True
+    if finish in GUARD_ENDED and n < len(reference):
+        return False
     a, b = periodic_tail(answer), periodic_tail(reference)
     if a is None or b is None or a[1] != b[1] or abs(a[0] - b[0]) > loop_slack:
         return False

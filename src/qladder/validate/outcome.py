@@ -18,11 +18,20 @@ reader needs to recompute each figure of the run's report (`qladder.validate.rec
                                     "server"); "retokenized" where a server returned none
     text, finish_reason, fallback   the answer (whole), how it ended, whether it is the fallback
     rungs, hazards, handoff_ms      the rung of each token, the checks that fired, each handoff
-    fp32_identical                  fp32 alone, greedy, on the same prompt ids gives the same ids
-                                    (or the same loop, garbage.same_answer); None: not computed
+    fp32_reference_ids              fp32 alone, greedy, on the same prompt ids (None: not computed);
+                                    `identical` (garbage.same_answer) is recomputed from them
+    fp32_identical                  what the harness found (the same comparison); older runs, which
+                                    kept no reference ids, have only this
+    fp32_nll, score_failed          the judge's raw score: the answer's mean negative log-likelihood
+                                    under fp32 (None: not scored), and whether scoring was asked
+                                    for and failed; the verdict is set again from them
+                                    (calibration.rejudge), never read back
     fp32_continuation_identical     the answer after its rung-0 prefix equals fp32's greedy
                                     continuation of that prefix (faulted greedy requests)
-    verdict                         the judge's (garbage.Verdict.to_dict)
+    verdict                         the judge's (garbage.Verdict.to_dict), for reading
+    stopped (derived)               the guard ended the answer (finish "repetition" or "degraded")
+                                    with fewer tokens than fp32's reference, or with no reference to
+                                    show it was whole: counted against the guard like garbage
     concurrency, window, start_s,   load benchmarks: the closed-loop window of the request (its
     end_s, step_ms,                 tok/s = the window's tokens over its span), token intervals, and
     completion_tokens               the answer's length as the server counted it (EOS left out)
@@ -42,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from qladder.types import FALLBACK_TEXT
-from qladder.validate.garbage import Verdict, judge
+from qladder.validate.garbage import GUARD_ENDED, Verdict, judge, same_answer
 
 OK_STATUSES = ("ok", 200)
 
@@ -75,7 +84,10 @@ class Outcome:
     rungs: list[str] = field(default_factory=list)
     hazards: list[str] = field(default_factory=list)
     handoff_ms: list[float] = field(default_factory=list)
+    fp32_reference_ids: list[int] | None = None
     fp32_identical: bool | None = None
+    fp32_nll: float | None = None
+    score_failed: bool = False
     fp32_continuation_identical: bool | None = None
     fp32_first_divergence: int | None = None  # the precision table's: the first position off fp32's answer
     fp32_top1_agreement: float | None = None  # ... the share of positions where the token is fp32's argmax
@@ -115,14 +127,42 @@ class Outcome:
         return self.ok and not self.fallback and bool(self.verdict.get("garbage"))
 
     @property
+    def stopped(self) -> bool:
+        """The guard cut the answer short: it ended it (no rung left to finish it, or a loop it
+        would not go on with) before the reference's length, or with no reference to compare."""
+        if not self.ok or self.fallback or self.finish_reason not in GUARD_ENDED:
+            return False
+        ref = self.fp32_reference_ids
+        return ref is None or len(self.token_ids) < len(ref)
+
+    @property
+    def bad(self) -> bool:
+        """Counted against the configuration: garbage or stopped."""
+        return self.garbage or self.stopped
+
+    @property
+    def identical(self) -> bool | None:
+        """fp32 alone gives this answer: recomputed from the reference ids where the run kept them
+        (the stored boolean otherwise); a stopped answer never is, short of the whole reference."""
+        if self.fp32_reference_ids is not None:
+            return same_answer(self.token_ids, self.fp32_reference_ids, finish=self.finish_reason)
+        if self.fp32_identical is None:
+            return None
+        return self.fp32_identical and not self.stopped
+
+    @property
+    def score(self) -> float | None:
+        return self.fp32_nll
+
+    @property
     def unjudged(self) -> bool:
         return self.ok and not self.fallback and not self.garbage and bool(self.verdict.get("unjudged"))
 
     @property
     def answered_clean(self) -> bool:
-        """An answer, neither garbage nor the fallback nor unjudged."""
+        """An answer, neither garbage nor stopped nor the fallback nor unjudged."""
         return self.ok and not self.fallback and bool(self.verdict) and not self.verdict.get("garbage") \
-            and not self.verdict.get("unjudged")
+            and not self.verdict.get("unjudged") and not self.stopped
 
     @property
     def handed_off(self) -> bool:
@@ -149,15 +189,17 @@ class Outcome:
         return k
 
     # -- judging ---------------------------------------------------------------------------------
-    def judge(self, nll: float | None = None, score_failed: bool = False) -> None:
-        """The judge's verdict on this answer (an empty verdict for a request with no answer)."""
+    def judge(self, nll: float | None = None, score_failed: bool = False, threshold: float | None = None) -> None:
+        """The judge's verdict on this answer (an empty verdict for a request with no answer), its
+        raw score kept beside it. `threshold`: the run's calibrated one (None: the committed)."""
+        self.fp32_nll, self.score_failed = nll, score_failed
         if not self.ok:
             self.verdict = {}
             return
         if self.fallback and self.text in (FALLBACK_TEXT, ""):
             self.verdict = Verdict().to_dict()  # its own column: not judged as text
             return
-        self.verdict = judge(self.text, self.token_ids, self.prompt, nll, score_failed).to_dict()
+        self.verdict = judge(self.text, self.token_ids, self.prompt, nll, score_failed, threshold).to_dict()
 
     # -- the file ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -166,7 +208,11 @@ class Outcome:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Outcome:
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        o = cls(**{k: v for k, v in d.items() if k in names})
+        if "fp32_nll" not in d and o.verdict:  # a run from before the raw score was kept: its score
+            o.fp32_nll = o.verdict.get("nll")  # is the one inside the verdict
+            o.score_failed = bool(o.verdict.get("unjudged"))
+        return o
 
 
 def write_jsonl(path: Path, outcomes: Iterable[Outcome]) -> None:

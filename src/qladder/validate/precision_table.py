@@ -6,10 +6,12 @@ The same prompt ids (after the input defence) through five modes, greedy, one re
     guarded    the guarded serving engine (INT4, guard, fp32 standby)
     w4a16      the W4A16 rung alone (4-bit weights, fp16 activations: GPU INT4 numerics)
     verified   the guarded serving engine, verified decoding (INT4 drafts, fp32 decides)
-    fp32       the fp32 rung alone: the reference (validate.replay.greedy)
+    fp32       the fp32 rung alone: the reference (validate.replay.greedy), never compared
+               with itself: its row has tok/s and known answers, no identity columns
 on the normal reference prompts (chat, qa, code, math), a few abnormal ones (no fault) and
 `KNOWN`, questions with a known answer written by the project (capitals, planets, arithmetic,
 facts). Each answer is one Outcome (phase "precision", population "precision") with:
+    fp32_reference_ids     fp32's greedy answer on the same ids (the table recomputes from it)
     fp32_identical         the same ids as fp32's greedy answer
     fp32_first_divergence  the first position where they differ (None: identical)
     fp32_top1_agreement    the share of the answer's positions where its token is fp32's argmax
@@ -25,8 +27,6 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import torch
 
 from qladder.validate.corpora import Prompt
 from qladder.validate.outcome import Outcome
@@ -82,6 +82,8 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
 def top1_agreement(fp32: Any, ids: Sequence[int], answer: Sequence[int]) -> float | None:
     """The share of the answer's positions where its token is fp32's argmax given the prompt and
     the answer before it (one teacher-forced forward on the one-sequence fp32 engine)."""
+    import torch  # here: the table itself (recompute) is read without torch
+
     if not answer:
         return None
     with torch.inference_mode():
@@ -117,7 +119,8 @@ def run_table(prompts: Sequence[tuple[Prompt, list[int]]], runners: dict[str, Ru
             o.token_ids = list(answer)
             if mode == "fp32":
                 ref = list(answer)
-            if o.ok and ref is not None:
+            if o.ok and ref is not None and mode != "fp32":  # fp32 is the reference, not a row compared with it
+                o.fp32_reference_ids = list(ref)
                 o.fp32_identical = o.token_ids == ref
                 o.fp32_first_divergence = first_divergence(o.token_ids, ref)
                 o.fp32_top1_agreement = top1_agreement(fp32, ids, o.token_ids)
@@ -142,17 +145,22 @@ def table(outcomes: Sequence[Outcome]) -> dict[str, Any]:
             if not group:
                 continue
             ok = [o for o in group if o.ok]
-            div = [o.fp32_first_divergence for o in ok if o.fp32_first_divergence is not None]
-            top1 = [o.fp32_top1_agreement for o in ok if o.fp32_top1_agreement is not None]
             known = [o for o in group if o.known_correct is not None]
-            cells[cls] = {
-                "answers": len(group), "errors": len(group) - len(ok),
-                "identical_to_fp32": sum(bool(o.fp32_identical) for o in ok),
-                "identical_share": sum(bool(o.fp32_identical) for o in ok) / len(group),
+            cells[cls] = {"answers": len(group), "errors": len(group) - len(ok),
+                          "known_right": sum(bool(o.known_correct) for o in known) if known else None,
+                          "known_asked": len(known) if known else None}
+            if mode == "fp32":
+                cells[cls]["reference"] = True
+                continue
+            compared = [o for o in ok if o.fp32_reference_ids is not None]
+            same = [o for o in compared if o.token_ids == o.fp32_reference_ids]
+            div = [d for o in compared if (d := first_divergence(o.token_ids, o.fp32_reference_ids or [])) is not None]
+            top1 = [o.fp32_top1_agreement for o in compared if o.fp32_top1_agreement is not None]
+            cells[cls] |= {
+                "compared": len(compared), "identical_to_fp32": len(same),
+                "identical_share": len(same) / len(compared) if compared else None,
                 "first_divergence_median": sorted(div)[len(div) // 2] if div else None,
                 "top1_agreement": sum(top1) / len(top1) if top1 else None,
-                "known_right": sum(bool(o.known_correct) for o in known) if known else None,
-                "known_asked": len(known) if known else None,
             }
         tokens = sum(len(o.token_ids) for o in mine if o.ok)
         seconds = sum(o.latency_ms for o in mine) / 1e3

@@ -421,30 +421,34 @@ def run_jobs(run: RemoteRun, jobs: Sequence[Job], config: str, forms_of: Callabl
 
 
 def judge_all(run: RemoteRun, judge: Fp32Judge, vocab: Any) -> None:
-    """Every answer judged (symptoms + vLLM's likelihood; a scoring failure leaves it unjudged);
-    fp32's own answers marked (abnormal, garbage and reference answers; an answer whose ids were
-    re-tokenized from its text is compared by the bytes it spells); each guarded faulted answer's
-    continuation after its llama-server prefix compared with vLLM's greedy one."""
-    from qladder.validate.garbage import same_answer
+    """Every answer scored (vLLM's likelihood; a scoring failure leaves it unjudged unless a symptom
+    decides) and judged with the run's calibrated threshold (calibration.rejudge); fp32's own
+    answers kept as reference ids (abnormal, garbage, guard-ended and reference answers; an answer
+    whose ids were re-tokenized from its text is compared with the reference's text re-tokenized
+    the same way); each guarded faulted answer's continuation after its llama-server prefix
+    compared with vLLM's greedy one."""
+    from qladder.validate.calibration import rejudge
+    from qladder.validate.garbage import GUARD_ENDED, same_answer
     from qladder.validate.replay import continuation_identical
 
     refs = {p.id for p in run.normal[: run.cfg.reference_prompts]}
     n = run.cfg.max_tokens
     for o, ids in zip(run.outcomes, run.ids, strict=True):
         if not o.ok or not o.token_ids or o.fallback or o.phase == "warmup" or not ids:
-            o.judge()
+            o.fp32_nll, o.score_failed = None, False
             continue
         nll = judge.nll(ids, o.token_ids)
-        o.judge(nll, score_failed=nll is None)
-        if o.population == "abnormal" or o.garbage or o.prompt_id in refs:
+        o.fp32_nll, o.score_failed = nll, nll is None
+    rejudge(run.outcomes)
+    for o, ids in zip(run.outcomes, run.ids, strict=True):
+        if not o.ok or not o.token_ids or o.fallback or o.phase == "warmup" or not ids:
+            continue
+        if o.population == "abnormal" or o.garbage or o.finish_reason in GUARD_ENDED or o.prompt_id in refs:
             ref = judge.greedy(ids, n)
-            if ref is None:
-                o.fp32_identical = None
-            elif o.token_ids_source == "retokenized":
-                o.fp32_identical = vocab.detokenize_bytes(ref) == o.text.encode("utf-8") or same_answer(
-                    o.token_ids, vocab.tokenize(vocab.detokenize(ref), False), finish=o.finish_reason)
-            else:
-                o.fp32_identical = same_answer(o.token_ids, ref, finish=o.finish_reason)
+            if ref is not None and o.token_ids_source == "retokenized":
+                ref = vocab.tokenize(vocab.detokenize(ref), False)
+            o.fp32_reference_ids = ref
+            o.fp32_identical = None if ref is None else same_answer(o.token_ids, ref, finish=o.finish_reason)
         if o.config == "guarded" and o.fault is not None:
             k = 0
             while k < len(o.rungs) and o.rungs[k] == "llama-server":

@@ -197,9 +197,9 @@ def serve_guarded(info: ModelInfo, fp32: Engine, settings: Settings, incidents: 
 
 def continuation_identical(answer: Sequence[int], prefix: int, reference: Sequence[int], finish: str | None) -> bool:
     """Is the answer after its first `prefix` tokens the reference continuation (fp32's greedy
-    answer to prompt + answer[:prefix], for the tokens left)? An answer that ended on a confirmed
-    loop keeps one copy of its pattern, so it need only start the reference; one cut by max_tokens
-    drops the tokens of a character it ended inside (at most 3)."""
+    answer to prompt + answer[:prefix], for the tokens left)? One cut by max_tokens drops the tokens
+    of a character it ended inside (at most 3); one the guard ended early (a confirmed loop) is the
+    reference's only when it holds the whole of it: a prefix is not the continuation."""
     rest, n = list(answer[prefix:]), len(answer) - prefix
-    return rest == list(reference[:n]) and (len(reference) == n or finish == "repetition"
+    return rest == list(reference[:n]) and (len(reference) == n
                                             or (finish == "length" and len(reference) - n <= 3))

@@ -46,8 +46,9 @@ def _count(row: dict[str, Any], key: str) -> str:
 
 
 ROWS = (("answered clean", "answered_clean"), ("garbage (raw)", "garbage"),
-        ("... of which fp32 alone gives the same ids (the model's own)", "garbage_fp32_identical"),
-        ("garbage beyond fp32's own (net)", "garbage_net"), ("safe fallback answers", "fallback"),
+        ("stopped (the guard ended it short of fp32's answer)", "stopped"),
+        ("... garbage or stopped fp32 alone gives too (the model's own)", "garbage_fp32_identical"),
+        ("garbage or stopped beyond fp32's own (net)", "garbage_net"), ("safe fallback answers", "fallback"),
         ("5xx (errors, timeouts, dropped connections)", "five_xx"), ("4xx (refused)", "four_xx"),
         ("unjudged (likelihood not computed)", "unjudged"))
 
@@ -92,6 +93,14 @@ def latency_tables(f: dict[str, Any], labels: dict[str, str]) -> list[Block]:
                                ("pooled P50", "pooled_p50"), ("pooled P99", "pooled_p99"),
                                ("requests per side (pooled)", "requests_per_side"),
                                ("median of ratios paired by (prompt, round)", "paired_median"))]
+
+    def mean_ratio(d: dict[str, Any]) -> str:
+        m = d.get("mean_ratio") or {}
+        lo, hi = m.get("low"), m.get("high")
+        return _r(m.get("value")) + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None and hi is not None else "")
+
+    rrows.insert(1, ["mean of the prompts' medians, paired [95% bootstrap interval] (the verdict's)",
+                     *[mean_ratio(ratios[k]) for k in keys]])
     out.append(("table", (head, rrows)))
     rounds = sorted({r for k in keys for r in ratios[k]["rounds"]}, key=int)
     head = ["round", *[f"{h} {q}" for h in ("guarded / bare", "A/A") for q in ("P50", "P99")][:2 * len(keys)]]
@@ -115,16 +124,24 @@ def summary_table(f: dict[str, Any], r: dict[str, Any], labels: tuple[str, str])
             ["normal answers identical to fp32's greedy answer (reference prompts)",
              *[f"{x.get('identical')} of {x.get('computed')} ({_pct(x.get('share'))})"
                for x in (f["fp32_identical_normal"].get("bare", {}), f["fp32_identical_normal"].get("guarded", {}))]],
-            ["ended on a confirmed loop (finish: repetition), crafted",
-             str(f["ended_on_repetition"].get("bare", {}).get("requests")),
-             str(f["ended_on_repetition"].get("guarded", {}).get("requests"))]]
+            ["ended on a confirmed loop (finish: repetition), crafted; of which stopped",
+             *[f"{e.get('requests')}; {e.get('stopped')}" for e in
+               (f["ended_on_repetition"].get("bare", {}), f["ended_on_repetition"].get("guarded", {}))]]]
     return ["", *labels], rows
 
 
+def _measured(v: dict[str, Any]) -> str:
+    shown = _f(v["value"], "{:.4g}") if isinstance(v["value"], float) else _f(v["value"])
+    iv = v.get("interval")
+    if iv and iv[0] is not None and iv[1] is not None:
+        shown += f" [{iv[0]:.4g}, {iv[1]:.4g}]"
+    return shown
+
+
 def verdict_table(f: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    rows = [[v["name"], _f(v["value"], "{:.4g}") if isinstance(v["value"], float) else _f(v["value"]),
-             _f(v["limit"], "{:g}"), v["status"].upper(), v["note"]] for v in f["verdicts"]]
-    return ["target (fixed before the run, qladder.validate.recompute.TARGETS)", "measured", "limit", "", "note"], rows
+    rows = [[v["name"], _measured(v), _f(v["limit"], "{:g}"), v["status"].upper(), v["note"]] for v in f["verdicts"]]
+    return ["target (fixed before the run, qladder.validate.recompute.TARGETS)", "measured [95% interval]", "limit",
+            "", "note"], rows
 
 
 def fault_table(f: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -153,10 +170,17 @@ def class_table(f: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 def judge_text(f: dict[str, Any]) -> str:
     j = f["judge"]
+    cal = j.get("calibration") or {}
     return (f"Garbage = any symptom judged from the ids and the text (NaN words, U+FFFD or control runs not in the "
             f"sanitized prompt, black squares, floods of one token or character of 6 or more, token-0 floods, "
-            f"empty answers, loops by rep-4 and zlib) or `implausible`: fp32, reading the answer after the same "
-            f"prompt ids, gives it a mean NLL over {j['threshold_nll']:g} nats/token. {j['scored']} of "
+            f"empty answers) or `implausible`: fp32, reading the answer after the same prompt ids, gives it a "
+            f"mean NLL over {j['threshold_nll']:.3f} nats/token, the calibrated threshold (quantile "
+            f"{cal.get('quantile')} of {cal.get('answers')} train-half normal answers' scores, "
+            f"{_f(cal.get('quantile_nll'), '{:.3f}')}, plus {cal.get('margin')}; from {cal.get('source')}). "
+            f"Normal test-half answers over it: {j.get('normal_test_over_threshold')} of "
+            f"{j.get('normal_test_answers')} (largest {_f(j.get('normal_test_max_nll'), '{:.3f}')}). "
+            f"Stopped (the guard ended the answer short of fp32's): {j.get('stopped')}, counted against the "
+            f"configuration beside garbage. {j['scored']} of "
             f"{j['answers']} answers scored; {j['unjudged']} unjudged (scoring failed, no symptom): "
             f"{_pct(j['unjudged_share'])}. Clean answers (no fault) reach at most {_f(j['clean_max_nll'], '{:.2f}')} "
             f"(median {_f(j['clean_p50_nll'], '{:.2f}')}), {j['clean_over_threshold']} of {j['clean_scored']} over "
@@ -177,8 +201,15 @@ def precision_table(f: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         cells = []
         for cls in PRECISION_CLASSES:
             c = m["classes"].get(cls)
-            cells.append("-" if c is None else f"{c['identical_to_fp32']}/{c['answers']}, top-1 "
-                         f"{_f(c['top1_agreement'], '{:.2f}')}, div@{_f(c['first_divergence_median'], '{:.0f}')}")
+            if c is None:
+                cells.append("-")
+            elif c.get("reference"):
+                cells.append(f"the reference ({c['answers']})")
+            elif not c.get("compared"):
+                cells.append(f"no reference ids kept ({c['answers']})")
+            else:
+                cells.append(f"{c['identical_to_fp32']}/{c['compared']}, top-1 {_f(c['top1_agreement'], '{:.2f}')}, "
+                             f"div@{_f(c['first_divergence_median'], '{:.0f}')}")
         k = m["classes"].get("known", {})
         right = f"{k['known_right']}/{k['known_asked']}" if k.get("known_asked") else "-"
         rows.append([mode, _f(m["tok_s"]), *cells, right])

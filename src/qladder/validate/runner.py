@@ -377,8 +377,11 @@ def counted(run: Run) -> list[tuple[Outcome, list[int]]]:
 
 
 def judge_all(run: Run, progress: Progress) -> None:
-    """Every answer judged: its symptoms, and its fp32 likelihood given the ids its configuration
-    fed the engine (identical pairs scored once). A scoring failure leaves the answer unjudged."""
+    """Every answer scored: its fp32 likelihood given the ids its configuration fed the engine
+    (identical pairs scored once; a scoring failure leaves the answer unjudged unless a symptom
+    decides), then judged with the threshold the train half's normal answers give
+    (calibration.rejudge, which recompute calls again on what it reads)."""
+    from qladder.validate.calibration import rejudge
     from qladder.validate.garbage import mean_nll
 
     progress.phase("judge (fp32 likelihood)")
@@ -387,7 +390,7 @@ def judge_all(run: Run, progress: Progress) -> None:
     t = time.perf_counter()
     for o, ids in zip(run.outcomes, run.ids, strict=True):
         if not o.ok or not o.token_ids or o.fallback or o.phase in ("warmup", "precision"):
-            o.judge()  # the precision table's answers are compared with fp32's, not judged
+            o.fp32_nll, o.score_failed = None, False  # the precision table's answers are compared with fp32's
             continue
         key = (tuple(ids), tuple(o.token_ids))
         if key not in cache:
@@ -395,7 +398,8 @@ def judge_all(run: Run, progress: Progress) -> None:
                 cache[key] = mean_nll(fp32.score(ids, o.token_ids))
             except Exception:  # counted: the answer is unjudged unless a symptom decides
                 cache[key] = None
-        o.judge(cache[key], score_failed=cache[key] is None)
+        o.fp32_nll, o.score_failed = cache[key], cache[key] is None
+    rejudge(run.outcomes)
     progress.tick()
     run.times["judge_s"] = time.perf_counter() - t
     run.times["judge_scored"] = float(len(cache))
@@ -405,7 +409,7 @@ def references(run: Run, progress: Progress) -> None:
     """fp32 alone, greedy, on each configuration's prompt ids: is an answer fp32's own? For every
     abnormal answer, every garbage answer and the normal reference prompts. Then, for each guarded
     faulted answer, fp32's greedy continuation of its int4 prefix (the quality row)."""
-    from qladder.validate.garbage import same_answer
+    from qladder.validate.garbage import GUARD_ENDED, same_answer
     from qladder.validate.replay import continuation_identical
 
     progress.phase("fp32 references")
@@ -423,8 +427,9 @@ def references(run: Run, progress: Progress) -> None:
     for o, ids in counted(run):
         if not o.ok or o.fallback or not ids or o.phase == "precision":  # (the table has its own)
             continue
-        if o.population == "abnormal" or o.garbage or o.prompt_id in refs:
-            o.fp32_identical = same_answer(o.token_ids, ref(ids, c.max_tokens), finish=o.finish_reason)
+        if o.population == "abnormal" or o.garbage or o.finish_reason in GUARD_ENDED or o.prompt_id in refs:
+            o.fp32_reference_ids = ref(ids, c.max_tokens)
+            o.fp32_identical = same_answer(o.token_ids, o.fp32_reference_ids, finish=o.finish_reason)
         if o.config == "guarded" and o.fault is not None:
             k = 0
             while k < len(o.rungs) and o.rungs[k] == "int4":

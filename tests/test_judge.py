@@ -110,3 +110,18 @@ def test_calibration_rule():
     assert calibrate(more) == cal
     assert calibrate(outs[:-1]) is None  # too few: the committed calibration judges
     assert calibration.for_run(outs[:-1]) == committed()
+
+
+@pytest.mark.parametrize("folder", ["validate-full-2026-12-02", "bench-verified-2026-12-03", "bench-fleet-2026-12-05"])
+def test_recompute_reproduces_committed_runs_without_torch_and_exits_on_their_verdict(folder):
+    """Each committed run recomputes exactly at HEAD; a FAIL exits 1, an INCONCLUSIVE 3; no torch is loaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom qladder.validate import recompute\nrc = recompute.main([sys.argv[1]])\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\nsys.exit(rc)\n")
+    res = subprocess.run([sys.executable, "-c", code, str(ROOT / "bench" / "results" / folder)], capture_output=True,
+                         text=True, timeout=600)
+    stored = json.loads((ROOT / "bench" / "results" / folder / "results.json").read_text())["figures"]["verdict"]
+    assert "reproduced exactly" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.returncode == {"pass": 0, "fail": 1, "inconclusive": 3}[stored]

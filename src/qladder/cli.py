@@ -309,7 +309,9 @@ def bench_serving(
     fault_share: Annotated[float, typer.Option("--fault-share")] = 0.1,
     int4_threads: Annotated[int, typer.Option("--int4-threads")] = 1,
     standby_threads: Annotated[int, typer.Option("--standby-threads")] = 1,
-    rounds: Annotated[int, typer.Option(help="Interleaved rounds per level (tok/s: their median).")] = 2,
+    rounds: Annotated[int, typer.Option(min=1, help="Interleaved rounds per level: one window a configuration "
+                                                     "each; tok/s pooled over them with a bootstrap interval "
+                                                     "(a verdict needs >= 6).")] = 6,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Also write outcomes.jsonl and results.json "
                                                               "here (bench/check_serving.py OUT recomputes).")] = None,
     elastic: Annotated[int | None, typer.Option("--elastic", help="Also elastic INT4 on N cores, and both without "
@@ -334,7 +336,9 @@ def bench_verified(
     per_class: Annotated[int, typer.Option("--per-class", help="Normal prompts per class (chat, qa, code, math).")] = 4,
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 64,
     concurrency: Annotated[str, typer.Option(help="Concurrency levels, comma-separated.")] = "1,8",
-    rounds: Annotated[int, typer.Option(help="Interleaved rounds per level (tok/s: their median).")] = 2,
+    rounds: Annotated[int, typer.Option(min=1, help="Interleaved rounds per level: one window a configuration "
+                                                     "each; tok/s pooled over them with a bootstrap interval "
+                                                     "(a verdict needs >= 6).")] = 6,
     sampled: Annotated[int, typer.Option("--sampled", help="Sampled requests per configuration (the "
                                                            "distribution test).")] = 200,
     vllm: Annotated[bool, typer.Option("--vllm/--no-vllm", help="Compare with vLLM's CPU fp32 server.")] = True,
@@ -376,9 +380,10 @@ def bench_calibrate(
 def bench_serve(
     duration: Annotated[float, typer.Option(help="Seconds of the faulted load.")] = 120.0,
     window: Annotated[float, typer.Option(help="Seconds per server per round in the comparison.")] = 60.0,
-    rounds: Annotated[int, typer.Option(help="Interleaved rounds of the comparison (the pooled P99 verdict "
-                                             "needs >= 500 requests per server: ~300 from 5 x 60 s on a "
-                                             "2-core box, where --rounds 9 reaches it).")] = 5,
+    rounds: Annotated[int, typer.Option(min=1, help="Interleaved rounds of the comparison, one window per server "
+                                                    "each (tok/s pooled with a bootstrap interval: a verdict needs "
+                                                    ">= 6; the pooled P99 needs >= 500 requests per server, "
+                                                    "--rounds 9 on a 2-core box).")] = 6,
     clients: Annotated[int, typer.Option(help="Concurrent streaming clients.")] = 16,
     fault_share: Annotated[float, typer.Option("--fault-share")] = 0.1,
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 64,
@@ -406,7 +411,8 @@ def bench_serve(
 @bench_app.command("fleet")
 def bench_fleet(
     window: Annotated[float, typer.Option(help="Seconds per side per round in the comparison.")] = 30.0,
-    rounds: Annotated[int, typer.Option(help="Interleaved rounds of the comparison.")] = 3,
+    rounds: Annotated[int, typer.Option(min=1, help="Interleaved rounds of the comparison, one window a side "
+                                                    "each (a verdict needs >= 6).")] = 6,
     clients: Annotated[int, typer.Option(help="Concurrent streaming clients, half on each gateway.")] = 16,
     max_tokens: Annotated[int, typer.Option("--max-tokens")] = 64,
     phase: Annotated[float, typer.Option(help="Seconds of load in the kill and Redis phases.")] = 20.0,

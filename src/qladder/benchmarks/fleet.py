@@ -118,7 +118,7 @@ async def _direct_load(replicas: list[LlamaServer], jobs: list[Job], clients: in
     return [o for p in parts for o in p]
 
 
-def run_fleet_bench(window_s: float = 30.0, rounds: int = 3, clients: int = 16, max_tokens: int = 64,
+def run_fleet_bench(window_s: float = 30.0, rounds: int = 6, clients: int = 16, max_tokens: int = 64,
                     slots: int = 8, phase_s: float = 20.0, kill_at_s: float = 5.0, restart_after_s: float = 3.0,
                     burst_s: float = 10.0, n_prompts: int = 32, seed: int = 0, log: Any = None,
                     out_dir: Path | None = None) -> dict[str, Any]:

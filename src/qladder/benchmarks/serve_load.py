@@ -209,7 +209,7 @@ def _pools(slots: int, threads: int | None) -> str:
             f'sessions = 4\n')
 
 
-def run_serve_bench(duration_s: float = 120.0, window_s: float = 60.0, rounds: int = 5, clients: int = 16,
+def run_serve_bench(duration_s: float = 120.0, window_s: float = 60.0, rounds: int = 6, clients: int = 16,
                     fault_share: float = 0.1, max_tokens: int = 64, slots: int = 8, threads: int = 1,
                     burst_s: float = 30.0, recover_s: float = 120.0, n_prompts: int = 64, seed: int = 0,
                     log: Any = None, out_dir: Path | None = None, box: bool = False) -> dict[str, Any]:

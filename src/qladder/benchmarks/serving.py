@@ -175,7 +175,7 @@ def _faulted(jobs: list[Job], share: float, max_tokens: int, rng: random.Random)
 
 def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: tuple[int, ...] = (1, 4, 8, 16),
                       fault_share: float = 0.1, int4_threads: int = 1, standby_threads: int = 1,
-                      seed: int = 0, rounds: int = 2, out_dir: Path | None = None,
+                      seed: int = 0, rounds: int = 6, out_dir: Path | None = None,
                       cores: int | None = None) -> dict[str, Any]:
     """Run the benchmark; returns results.json's content (and, with `out_dir`, writes outcomes.jsonl
     and results.json there)."""

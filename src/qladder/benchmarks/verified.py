@@ -125,7 +125,7 @@ def _vllm_run(url: str, params: SamplingParams, log: OutcomeLog, window: str, rn
 
 
 def run_verified_bench(per_class: int = 4, max_tokens: int = 64, concurrency: tuple[int, ...] = (1, 8),
-                       rounds: int = 2, sampled_requests: int = 200, vllm: bool = True,
+                       rounds: int = 6, sampled_requests: int = 200, vllm: bool = True,
                        out_dir: Path | None = None) -> dict[str, Any]:
     """Run the benchmark; returns results.json's content (and, with `out_dir`, writes outcomes.jsonl
     and results.json there)."""

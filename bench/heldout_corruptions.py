@@ -12,7 +12,8 @@ the issue names, used nowhere else in the project (no bound was set on them):
 Prompts: the first PROMPTS normal test-half prompts and the project's known-answer questions
 (alternating). Per corruption and prompt, greedy, ANSWER tokens:
     bare      llama-server alone (/completion)
-    default   qladder's serving engine with the topology's defaults (draft check, drift window)
+    default   qladder's serving engine with the topology's defaults (fast: the step guard, a flagged
+              input's draft check)
     verified  the same with verified decoding
     fp32      vLLM alone, greedy (the reference)
 Every answer is judged by the validation's judge (validate/garbage.py: symptoms from ids and text,
@@ -24,11 +25,11 @@ Prints JSON (and writes it, with every answer, to OUT/results.json when OUT is g
 `--in-process`: the same corruptions, prompts and verdicts on qladder's own engines (no server):
     bare      the patched GGUF on the in-process INT4 rung alone (llama.cpp, no guard)
     default   the serving engine with its defaults over the patched GGUF and the clean fp32 rung
-              (greedy answers checked in drift windows, serving/verify.check)
+              (fast: the step guard on every token, no full-precision work on a clean answer's path)
     verified  the same with verified decoding
     fp32      the clean fp32 rung alone, greedy (the reference; it scores the judge's likelihood)
 
-Usage: python bench/heldout_corruptions.py [OUT] [--prompts N] [--answer N] [--drift-bound B] [--in-process]
+Usage: python bench/heldout_corruptions.py [OUT] [--prompts N] [--answer N] [--in-process]
        (6 prompts, 48 tokens)
 """
 
@@ -52,7 +53,7 @@ from qladder.peers.llama_server import LlamaServer
 from qladder.peers.vllm import VllmServer
 from qladder.sampling import SamplingParams
 from qladder.server.serve import build_server
-from qladder.server.topology import Topology, remote_topology
+from qladder.server.topology import remote_topology
 from qladder.validate.corpora import load_corpora
 from qladder.validate.fault_models import TEST_FAULT_MODELS
 from qladder.validate.garbage import judge, mean_nll
@@ -78,8 +79,6 @@ def main() -> int:
     ap.add_argument("out", nargs="?")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--answer", type=int, default=48)
-    ap.add_argument("--drift-bound", type=float, default=None,
-                    help="[server] drift_bound for the default mode (0: off; unset: the default)")
     ap.add_argument("--in-process", action="store_true", help="qladder's own engines, no peer server")
     a = ap.parse_args()
     settings = Settings.from_env()
@@ -101,8 +100,7 @@ def main() -> int:
             gguf = Path(d) / f"{name}.gguf"
             patch_scales(info.path, gguf, **patch)  # type: ignore[arg-type]
             with LlamaServer(gguf, n_parallel=4, threads=1, n_ctx_per_slot=2048) as ls:
-                drift = {} if a.drift_bound is None else {"drift_bound": a.drift_bound}
-                server = build_server(remote_topology(ls.base_url, vllm.base_url, incidents=f"{d}/{name}.db", **drift),
+                server = build_server(remote_topology(ls.base_url, vllm.base_url, incidents=f"{d}/{name}.db"),
                                       settings)
                 se = server.engine
                 counts = new_counts()
@@ -172,13 +170,8 @@ def in_process(a: argparse.Namespace, settings: Settings, info: Any, texts: list
             patch_scales(info.path, gguf, **patch)  # type: ignore[arg-type]
             patched = dataclasses.replace(info, path=gguf.resolve())  # the copy keeps the source's metadata
             bare = serve_bare(patched, settings).se
-            drift = {} if a.drift_bound is None else {"drift_bound": a.drift_bound or None}
             cfg = ServingConfig(slots=4, n_ctx=settings.n_ctx, int4_threads=settings.n_threads,
                                 standby_threads=settings.n_threads)
-            if drift:
-                g = cfg.ladder.guard
-                guard = dataclasses.replace(g, draft=dataclasses.replace(g.draft, **drift))
-                cfg = dataclasses.replace(cfg, ladder=dataclasses.replace(cfg.ladder, guard=guard))
             se = ServingEngine(cfg, patched, settings, standby_engines=[fp32])
             counts = new_counts()
             try:
@@ -209,7 +202,7 @@ def report(a: argparse.Namespace, texts: list[str], rows: list[dict[str, object]
              {"benchmark": "held-out weight corruptions through qladder serve (llama-server + vLLM)",
               "llama_server": "-np 4 -t 1", "vllm": "0.32.0 CPU fp32, 1 thread, eager"})
     out = {**where, "answer_tokens": a.answer, "prompts": texts, "corruptions": dict(corruptions()),
-           "drift_bound": a.drift_bound if a.drift_bound is not None else Topology().server.drift_bound,
+           "mode": "fast (the default)",
            "machine": platform.processor() or platform.machine(), "wall_s": round(time.perf_counter() - t0, 1),
            "by_corruption": summary, "total": total, "verdicts": verdicts}
     print(json.dumps(out, indent=2, default=str))

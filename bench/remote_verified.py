@@ -4,8 +4,8 @@ One run, interleaved per prompt (so both see the same machine state): for each o
 test prompts (the chat template applied), in turn
     verified   qladder's serving engine, remote pools (llama-server drafts, vLLM decides)
     vllm       vLLM's /v1/completions alone, greedy (the full-precision answer it must equal)
-    fast       qladder's serving engine, the same request without `verified` (INT4's answer, guarded,
-               drift window off: the pool as it streams)
+    fast       qladder's serving engine, the same request without `verified` (INT4's answer, guarded:
+               the pool as it streams)
 Each answer ANSWER tokens at most, one request at a time; warm-up: one request of each first.
 Prints JSON: per mode the tokens, seconds and tok/s (sum of tokens over sum of latencies) and the
 median per-prompt latency; the ratio verified / vllm in tok/s (medians of per-prompt ratios too);
@@ -48,7 +48,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d, \
             VllmServer(fp32_checkpoint(info, settings.cache_dir), threads=1) as vllm, \
             LlamaServer(info.path, n_parallel=4, threads=1, n_ctx_per_slot=2048) as ls:
-        t = remote_topology(ls.base_url, vllm.base_url, incidents=f"{d}/incidents.db", drift_bound=0.0)
+        t = remote_topology(ls.base_url, vllm.base_url, incidents=f"{d}/incidents.db")
         server = build_server(t, settings)
         se = server.engine
         try:

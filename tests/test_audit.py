@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qladder.audit import AuditJob, AuditRecord, DriftWatch, merge, score, selected
+from qladder.audit import AuditJob, AuditRecord, DriftWatch, score, selected
 from qladder.classify import classify
 from qladder.validate.corpora import split_of
 
@@ -41,19 +41,6 @@ def test_score_reads_agreement_divergence_kl_and_gap_from_the_rows():
     assert r.kl_top5 > 0
     exact = score(_job([4, 6, 2], [same] * 3), rows)
     assert exact.agreement == 1.0 and exact.first_divergence is None and exact.fp32_gap == 0.0
-
-
-def test_merged_windows_are_token_weighted_and_keep_the_first_divergence_in_answer_positions():
-    w1 = AuditRecord("r", "qa", "int4", 8, 1.0, None, 0.1, 0.0, source="checked")
-    w2 = AuditRecord("r", "qa", "int4", 2, 0.5, 1, 0.6, 2.0, source="checked")
-    w3 = AuditRecord("r", "qa", "int4", 10, 0.0, 0, 1.0, 4.0, source="checked")
-    first = merge(None, w1, 0)
-    assert first.first_divergence is None and first.tokens == 8 and first.source == "checked"
-    both = merge(first, w2, 8)
-    assert both.tokens == 10 and both.agreement == pytest.approx(0.9) and both.first_divergence == 9
-    assert both.kl_top5 == pytest.approx(0.2) and both.fp32_gap == pytest.approx(0.4)
-    assert merge(both, w3, 10).first_divergence == 9  # the first one stays
-    assert merge(None, w3, 10).first_divergence == 10  # a window's own position, moved to the answer's
 
 
 def test_drift_watch_sends_a_class_to_verified_below_its_bound_only_with_enough_answers():
@@ -141,56 +128,25 @@ def test_the_standby_audits_int4_answers_as_a_teacher_forced_fp32_forward_would(
 
 
 @pytest.mark.slow
-def test_checked_answers_are_measured_as_a_teacher_forced_fp32_forward_would():
-    """With no sampled audit, every checked greedy INT4 answer (the default: drift windows) gives
-    one record from its scored windows (`source` "checked"). An answer whose windows all stood is
-    INT4's alone: its record's agreement and first divergence equal fp32's own teacher-forced
-    argmax over prompt + answer (the one-sequence engine). France's answer leaves fp32's argmax at
-    token 0 and then agrees (a window the tolerant drift rule lets stand): the record says so."""
-    import threading
-
+def test_fast_answers_cost_full_precision_nothing_on_their_path():
+    """The default mode is fast: clean greedy INT4 answers, no sampled audit, a standby on hand.
+    The standby runs no forward for them (no drift windows, no scoring on the path), the answers
+    are INT4's alone, and no audit record is made."""
     from qladder.model import user_prompt_ids
     from qladder.sampling import SamplingParams
     from qladder.serving import ServingConfig, ServingEngine
 
     from .conftest import get_engine
 
-    fp32 = get_engine("fp32")
-    se = ServingEngine(ServingConfig(slots=4), standby_engines=[fp32])
-    records, lock = [], threading.Lock()
-
-    def keep(r):
-        with lock:
-            records.append(r)
-
-    se.add_audit_observer(keep)
+    se = ServingEngine(ServingConfig(slots=4), standby_engines=[get_engine("fp32")])
+    records: list = []
+    se.add_audit_observer(records.append)
     try:
-        texts = ["What is the capital of France?", "Name three colors.", "What is 48 * 93?"]
-        results = {}
-        for t in texts:
+        for t in ["What is the capital of France?", "Name three colors.", "What is 48 * 93?"]:
             ids = user_prompt_ids(se.info.chat_template, t, se.int4.tokenize)
-            req = se.request(ids, SamplingParams(max_tokens=24), prompt_text=t)
-            results[req.request_id] = (t, ids, se.generate_sync(req))
-        _until(lambda: len(records) == len(texts), "a record of every checked answer")
-        assert se.stats()["checked_windows"] >= len(texts) and "audits_done" not in se.stats()
-        whole = 0
-        for a in records:
-            t, ids, r = results[a.request_id]
-            assert a.source == "checked" and a.pool == "int4" and a.kl_top5 >= 0 and a.fp32_gap >= 0, t
-            if set(r.token_rungs) != {"int4"}:
-                continue
-            whole += 1
-            assert a.tokens == len(r.token_ids), t
-            with torch.inference_mode():
-                logits = fp32.model(input_ids=torch.tensor([ids + r.token_ids]), use_cache=False).logits[0]
-            best = logits[len(ids) - 1: len(ids) + len(r.token_ids) - 1].argmax(dim=-1)
-            agree = best == torch.tensor(r.token_ids)
-            assert a.agreement == pytest.approx(float(agree.float().mean())), t
-            wrong = (~agree).nonzero().flatten()
-            assert a.first_divergence == (int(wrong[0]) if len(wrong) else None), t
-        assert whole >= 1
-        france = next(a for a in records if results[a.request_id][0].startswith("What is the capital"))
-        assert france.first_divergence == 0 and 0.5 < france.agreement < 1.0
+            r = se.generate_sync(se.request(ids, SamplingParams(max_tokens=24), prompt_text=t))
+            assert r.token_ids and set(r.token_rungs) == {"int4"} and not r.hazards, t
+        assert se.standby is not None and se.standby.forwards == 0 and not records
     finally:
         se.close()
 

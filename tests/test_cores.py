@@ -114,14 +114,13 @@ def test_the_server_default_is_elastic_int4_on_every_cpu_and_threads_on_a_pool_f
 
 @pytest.mark.slow
 def test_a_handoff_under_elastic_cores_continues_as_fp32_and_int4s_answers_do_not_depend_on_its_threads():
-    """Two cores, INT4 elastic, drift windows off (a checked window would keep the standby busy):
-    a clean answer alone runs on 2 threads; beside a faulted one its decodes drop to 1 thread
-    while the standby continues the faulted answer, and its tokens are the same. The faulted
-    answer's continuation is fp32's greedy one."""
+    """Two cores, INT4 elastic, the default (fast) mode: a clean answer alone runs on 2 threads;
+    beside a faulted one its decodes drop to 1 thread while the standby continues the faulted
+    answer, and its tokens are the same. The faulted answer's continuation is fp32's greedy one."""
     guard = GUARD_PRESETS["default"]
     # A step deadline far past any decode: two OpenMP threads on a box whose other test worker
     # takes its cores can stall at llama.cpp's barriers for seconds, and this test is not about that.
-    guard = dataclasses.replace(guard, step_deadline_s=60.0, draft=dataclasses.replace(guard.draft, drift_bound=None))
+    guard = dataclasses.replace(guard, step_deadline_s=60.0)
     cfg = ServingConfig(slots=4, int4_threads=2, standby_threads=1, cores=2, allow_faults=True,
                         ladder=LadderConfig(guard=guard))
     se = ServingEngine(cfg, standby_engines=[get_engine("fp32")])

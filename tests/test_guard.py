@@ -377,100 +377,6 @@ def test_check_draft_refuses_the_first_token_the_standby_finds_far_less_likely()
     assert check_draft([9], [-0.1], [-9999.0], "llama-server", "vllm", 8.0) is not None  # vLLM's -inf clamp
 
 
-def _watched(own: list[float], n: int = 5, max_tokens: int = 64, top1: list[float] | None = None,
-             eos_at: int | None = None, null_at: int | None = None):
-    """A watched draft of `n` tokens (suspect bound -1.25, diffuse 8 / -2.2), driven in the order
-    RemotePool._tokens drives it, every scored window passing: (the machine, what was released
-    once each token was dealt with, the windows scored as (first step, end step))."""
-    from qladder.actions import Confirm, Continue
-    from qladder.client import Request
-    from qladder.health.guard import DraftCheck
-    from qladder.health.remote import RemoteToken
-    from qladder.machine import RequestMachine
-    from qladder.policy import LadderConfig
-    from qladder.sampling import SamplingParams
-    from qladder.serving.remote_visit import RemoteVisit
-
-    cfg = LadderConfig(guard=GuardConfig(remote=RemoteChecks(diffuse_window=8, diffuse_logprob=-2.2),
-                                         draft=DraftCheck(verify_suspect_logprob=-1.25)))
-    m = RequestMachine(Request("r", (1, 2, 3), SamplingParams(max_tokens=max_tokens)), ["llama-server", "vllm"],
-                       [512, 512], frozenset({0}), lambda ids: b"".join(b"%d " % i for i in ids), cfg,
-                       StepGuard(cfg.guard), emit=lambda e: None)
-    visit = RemoteVisit(m)
-    n_check = visit.watch(n)
-    released, scored = [], []
-    for k, lp in enumerate(own):
-        t = 0 if k == eos_at else 10 + k
-        top = top1[k] if top1 else lp
-        tok = RemoteToken(t, None, None, ((t, None),)) if k == null_at else RemoteToken(t, lp, None, ((t, top),))
-        h = visit.judge(tok, 0.01, 49152, None)
-        if h is not None:  # as RemotePool._stream: the visit leaves, then the machine takes the hazard
-            visit.leave(True)
-            m.on_hazard(h, None)
-            break
-        if visit.check_at:
-            n_check, visit.check_at = visit.check_at, 0
-        action = m.accept_token(t)
-        if visit.watch_until and m.step >= visit.watch_until and not m.unchecked:
-            visit.watch_until = 0
-        if m.unchecked and (not isinstance(action, Continue) or m.step >= n_check):
-            if not visit.watch_until or visit.decide(not isinstance(action, Continue)):  # _check_draft
-                if m.accepted[visit.held_from:]:
-                    scored.append((visit.held_from, len(m.accepted)))
-                visit.draft_checked([])
-            if isinstance(action, Continue):  # _hold_window (no drift windows)
-                n_check, visit.check_at = visit.check_at, 0
-        released.append(m.stream.released)
-        if isinstance(action, Confirm):
-            m.finish(action.reason)
-        if not isinstance(action, Continue):
-            break
-    return m, released, scored
-
-
-def test_a_watched_draft_streams_while_sure_and_is_held_from_the_token_that_makes_it_unsure():
-    """An unflagged input's draft: its first two tokens held and decided on together; sure, they
-    stream as they come and nothing is scored; unsure at the second, the whole draft is held for
-    the check; unsure later, from the first unreleased token on."""
-    _, released, scored = _watched([-2.0, -0.2, -0.1, -1.0, -0.3])  # the first token alone looks unsure
-    assert released == [0, 2, 3, 4, 5] and scored == []
-    _, released, scored = _watched([-2.0, -1.0, -0.1, -0.1, -0.1])  # -1.5 over the first two
-    assert released == [0, 0, 0, 0, 5] and scored == [(0, 5)]
-    _, released, scored = _watched([-0.1, -0.1, -0.1, -5.0, -0.1])  # -1.33 at the fourth
-    assert released == [0, 2, 3, 3, 3] and scored == [(3, 5)]  # -5.0 stays held: under the diffuse bounds
-
-
-def test_a_watched_draft_that_ends_inside_its_first_two_tokens_is_still_judged():
-    _, _, scored = _watched([-6.0], max_tokens=1)  # one token, unsure: scored before it ends
-    assert scored == [(0, 1)]
-    _, released, scored = _watched([-0.1], max_tokens=1)
-    assert scored == [] and released == [1]
-    m, _, scored = _watched([-3.0, -0.5], eos_at=1)  # an EOS second: the first token, unsure, scored
-    assert scored == [(0, 1)] and m.done is not None and m.done.token_ids == [10]
-    _, released, scored = _watched([-0.1, -0.2, -5.0], n=2)  # a draft of 2: the first decision is all of it,
-    assert scored == [] and released == [0, 2, 2]  # and a token past it is not watched (held by the diffuse rule)
-    _, _, scored = _watched([-3.0, -3.0], n=2, top1=[-0.5, -0.5])  # sampled, unlikely draws: scored
-    assert scored == [(0, 2)]
-
-
-def test_a_watched_draft_that_turns_unsure_scores_the_tokens_the_diffuse_rule_still_holds():
-    """Greedy (its logprobs are its top-1s), a draft of 8: -6.2 at the 7th token is held by the
-    diffuse rule while the draft is still sure (mean -1.244); -3.0 at the 8th makes it unsure: the
-    window scored starts at that held token, and nothing of it went out before its check."""
-    own = [-0.01, -0.5, -0.5, -0.5, -0.5, -0.5, -6.2, -3.0]
-    _, released, scored = _watched(own, n=8)
-    assert released == [0, 2, 3, 4, 5, 6, 6, 6] and scored == [(6, 8)]  # passed; 6 and 7 still diffuse-held
-
-
-def test_a_hazard_inside_a_watched_draft_hands_none_of_its_held_tokens_on():
-    m, _, scored = _watched([-4.0, -0.5], top1=[-0.3, -0.3], null_at=1)  # a null logprob at the second
-    assert scored == [] and m.accepted == [] and m.context == [1, 2, 3]  # token 10 was never judged
-    # past the first decision: a diffuse-held token (top-1 -3.0; the draft's mean still -1.07) is
-    # rolled back with the hazard
-    m, released, _ = _watched([-0.1, -0.1, -3.0, -0.1], null_at=3)
-    assert released == [0, 2, 2] and m.accepted == [10, 11] and m.context == [1, 2, 3, 10, 11]
-
-
 def _draft_machine(max_tokens: int = 16):
     from qladder.client import Request
     from qladder.machine import RequestMachine
@@ -519,7 +425,7 @@ def test_a_passed_draft_is_released_as_a_remote_rung_releases_and_an_early_end_w
     visit, events = _draft_machine()
     m = visit.m
     _feed(visit, [10, 11, 12, 13, 14])
-    visit.draft_checked([])  # past the first window (4 tokens here): the last 3 held, as a remote rung holds them
+    visit.draft_checked()  # past the first window (4 tokens here): the last 3 held, as a remote rung holds them
     assert not m.unchecked and m.stream.hold == 3 and m.stream.released == 2
     assert [e.token_ids for e in events if isinstance(e, TokenEvent)] == [[10, 11]]
 
@@ -528,7 +434,7 @@ def test_a_passed_draft_is_released_as_a_remote_rung_releases_and_an_early_end_w
     assert isinstance(action, Confirm) and action.reason is FinishReason.LENGTH and short.m.done is None
     eos = _feed(_draft_machine()[0], [10, 0])
     assert isinstance(eos, Confirm) and eos.reason is FinishReason.STOP
-    short.draft_checked([])
+    short.draft_checked()
     assert short.m.finish(action.reason).token_ids == [10, 11, 12]
 
 
@@ -569,44 +475,6 @@ def test_token_faults_hit_their_step_only():
         TokenFaults([parse_fault("error@step=1")]).token(tok, 0.01, 1, V)
 
 
-def test_check_drift_refuses_a_window_that_leaves_fp32s_argmax_from_its_first_departure():
-    from qladder.health.drift import check_drift, window_agreements
-
-    def scored(flags):  # the rung above's own argmax or not, per token
-        return list(flags)
-
-    clean = [True] * 6 + [False] + [True] * 9  # one paraphrase in 16
-    assert check_drift(list(range(16)), scored(clean), [], "llama-server", "vllm", 16, 0.5) is None
-    salad = [True, True, False, True, False, False, False, False]
-    h = check_drift([9] * 8, scored(salad), [True] * 8, "llama-server", "vllm", 16, 0.75, start=24)
-    assert h is not None and h.check == "drift" and h.step == 26  # the held window's first departure
-    assert h.value == pytest.approx(11 / 16) and h.threshold == 0.75
-    # held tokens that all agree pass, however the window before them went (it is out already)
-    assert check_drift([1, 2], scored([True, True]), [False] * 14, "llama-server", "vllm", 16, 0.5) is None
-    # the checks as the pool makes them: the first 8, then every 16, then the rest at the end
-    flags = [True] * 8 + [False] * 16 + [True] * 4
-    assert window_agreements(flags, 8, 16) == [1.0, 0.0, pytest.approx(4 / 16)]
-
-
-def test_a_rolling_window_holds_its_tokens_until_passed_and_a_drift_refusal_keeps_the_released_ones():
-    from qladder.actions import MoveTo
-    from qladder.types import Hazard, TokenEvent
-
-    visit, events = _draft_machine(max_tokens=64)
-    m = visit.m
-    _feed(visit, [10, 11, 12, 13, 14])
-    visit.draft_checked([True] * 5)
-    visit.await_draft_check(6)  # the next window: tokens 5..10
-    assert visit.held_from == 5 and m.unchecked
-    _feed(visit, [15, 16, 17, 18, 19, 20])
-    released = m.stream.released
-    assert released <= 5  # none of the held window is out
-    assert [i for e in events if isinstance(e, TokenEvent) for i in e.token_ids] == [10, 11, 12, 13, 14][:released]
-    action = m.on_hazard(Hazard("drift", "llama-server", 8, 0.4, 0.6), None)
-    assert isinstance(action, MoveTo) and action.rung == 1
-    assert m.context == [1, 2, 3, 10, 11, 12, 13, 14, 15, 16, 17]  # continues after the passed ones
-
-
 def test_a_held_window_whose_release_completes_a_stop_string_ends_the_answer_there():
     from qladder.client import Request
     from qladder.machine import RequestMachine
@@ -623,5 +491,5 @@ def test_a_held_window_whose_release_completes_a_stop_string_ends_the_answer_the
     visit.await_draft_check(7)
     _feed(visit, [10, 11, 12, 13, 14, 15, 16])  # held: the stop string is not seen until release
     assert m.done is None
-    visit.draft_checked([True] * 7)  # releases all but the diffuse hold (3): "12 13" is out
+    visit.draft_checked()  # releases all but the diffuse hold (3): "12 13" is out
     assert m.done is not None and m.done.finish_reason is FinishReason.STOP and m.done.text == "10 11 "

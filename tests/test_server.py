@@ -104,10 +104,6 @@ def test_verified_precision_streams_fp32s_answer_and_fast_stays_int4s(client, li
     counts = {w: float(line.split()[-1]) for line in scrape.splitlines() for w in ("windows", "drafts", "kept")
               if line.startswith(f'qladder_verified_total{{what="{w}"}}')}
     assert counts["windows"] >= 1 and 0 < counts["kept"] <= counts["drafts"]
-    # the fast answer (INT4's, above) was held in drift windows that fp32 scored: exported
-    scored = [float(line.split()[-1]) for line in scrape.splitlines()
-              if line.startswith('qladder_checked_windows{what="scored"}')]
-    assert scored and scored[0] >= 2
 
 
 def test_the_input_defence_reports_its_changes_and_incidents_keep_the_sanitized_prompt(client, live):

@@ -164,27 +164,19 @@ def test_topology_reports_every_mistake_one_line_each(tmp_path):
         load_topology(bad)
     with pytest.raises(ConfigError, match="guard: unknown preset"):
         parse_topology({"server": {"guard": "nope"}})
-    with pytest.raises(ConfigError, match="draft_check: 'some' is none of suspect, all, off"):
-        parse_topology({"server": {"draft_check": "some"}})
-    with pytest.raises(ConfigError, match=r"drift_bound must be within \[0, 1\], got 1.5"):
-        parse_topology({"server": {"drift_bound": 1.5}})
-    with pytest.raises(ConfigError, match="drift_window must be >= 1, got 0"):
-        parse_topology({"server": {"drift_window": 0}})
+    for key in ("draft_check", "drift_window", "drift_bound"):  # retired: refused with what replaced them
+        with pytest.raises(ConfigError, match=f"server: '{key}' was retired .*precision = \"verified\""):
+            parse_topology({"server": {key: 0}})
 
 
-def test_draft_check_setting_reaches_the_guard():
+def test_the_default_decode_mode_is_fast():
     from qladder.config import Settings
     from qladder.server.serve import serving_config
 
-    def guard(value: str):
-        return serving_config(parse_topology({"server": {"draft_check": value}}), Settings.from_env()).ladder.guard
-
-    assert guard("suspect").draft.verify_tokens == 8 and guard("suspect").draft.verify_suspect_logprob == -1.25
-    assert guard("all").draft.verify_suspect_logprob is None and guard("off").draft.verify_tokens == 0
-    drift = serving_config(parse_topology({}), Settings.from_env()).ladder.guard.draft
-    assert (drift.drift_window, drift.drift_bound) == (16, 0.5)  # on by default
-    off = serving_config(parse_topology({"server": {"drift_bound": 0.0, "drift_window": 32}}), Settings.from_env())
-    assert off.ladder.guard.draft.drift_bound is None and off.ladder.guard.draft.drift_window == 32
+    t = parse_topology({})
+    assert t.int4.precision == "fast"
+    c = serving_config(t, Settings.from_env())
+    assert c.ladder.guard.draft.verify_tokens == 8  # a flagged input's first tokens, where a rung above can score
 
 
 def test_a_remote_pool_needs_its_url_and_only_a_remote_rung_takes_one():

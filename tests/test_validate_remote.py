@@ -27,23 +27,22 @@ def test_the_bundled_example_config_is_the_full_runs_defaults_and_mistakes_are_l
     assert {m.fault_set for m in RemoteValidateConfig().models()} == {"train", "test"}
     bad = tmp_path / "bad.toml"
     bad.write_text('[run]\nclients = "four"\nfault_names = ["nan_logits"]\n[gpu]\nx = 1\n'
-                   '[gateway]\ndraft_check = "some"\n')
+                   '[gateway]\nprecision = "some"\n')
     with pytest.raises(ConfigError) as e:
         load_remote_config(bad, quick=True)
     for part in ("unknown section [gpu]", "clients: expected int", "not faults of a served model",
-                 "draft_check: 'some' is none of"):
+                 "precision: 'some' is none of fast, verified"):
         assert part in str(e.value)
-    off = tmp_path / "off.toml"
-    off.write_text('[gateway]\ndrift_bound = 0\ndraft_check = "all"\n')
-    c = load_remote_config(off, quick=True)
-    assert (c.gateway_drift_bound, c.gateway_draft_check) == (0.0, "all")
+    verified = tmp_path / "verified.toml"
+    verified.write_text('[gateway]\nprecision = "verified"\n')
+    c = load_remote_config(verified, quick=True)
+    assert c.gateway_precision == "verified"
     toml = gateway_toml("http://a", "http://b", c, tmp_path / "i.db")
-    assert 'draft_check = "all"\ndrift_bound = 0.0\n' in toml
     from qladder.server.topology import load_topology
 
     (tmp_path / "serve.toml").write_text(toml)
     t = load_topology(tmp_path / "serve.toml")
-    assert (t.server.draft_check, t.server.drift_bound) == ("all", 0.0)
+    assert t.int4.precision == "verified" and t.standby is not None and t.standby.rungs == ("vllm",)
 
 
 def test_validate_remote_shows_the_faults_bare_and_none_through_the_gateway(vllm_server, tmp_path, capsys):
@@ -59,9 +58,12 @@ def test_validate_remote_shows_the_faults_bare_and_none_through_the_gateway(vllm
     assert "reproduced exactly" in capsys.readouterr().out and code == recompute.exit_code(r["figures"]["verdict"])
     f = r["figures"]
     assert f["by_fault"]["bare"]["inf_scale"]["garbage_rate"] == 1.0  # "......" with 200 OK
-    for fault in ("inf_scale", "scale_x30_rows"):
+    for fault in ("inf_scale", "scale_x30_rows"):  # nothing lost, either way
         g = f["by_fault"]["guarded"][fault]
-        assert g["garbage_net"] == 0 and g["five_xx"] == 0 and g["fallback"] == 0, (fault, g)
+        assert g["five_xx"] == 0 and g["fallback"] == 0, (fault, g)
+    # the NaN path is refused at its first token; scale_x30_rows's finite salad passes fast mode's step
+    # guard (no full precision on the path): finding that endpoint is the audit's detection, not this run's
+    assert f["by_fault"]["guarded"]["inf_scale"]["garbage_net"] == 0
     assert {v["fault_set"] for v in f["by_fault"]["guarded"].values() if v["fault_set"]} == {"train", "test"}
     outs = read_jsonl(tmp_path / "outcomes.jsonl")
     assert {o.config for o in outs} == {"bare", "bare_aa", "guarded"}
@@ -73,8 +75,9 @@ def test_validate_remote_shows_the_faults_bare_and_none_through_the_gateway(vllm
     assert {o.config for o in raw} == {"bare", "guarded"}
     assert all("\\x" in o.prompt for o in raw if o.config == "bare")  # as sent: the raw bytes, escaped
     assert all("\x00" not in o.prompt and "\\x" not in o.prompt for o in raw if o.config == "guarded")
-    assert f["handoff"]["guarded"]["count"] >= 4 and "vllm" in f["rung_share"]["guarded"]
-    assert f["quality"]["all"]["requests"] == 4 and f["quality"]["all"]["not_computed"] == 0
+    assert f["handoff"]["guarded"]["count"] >= 2 and "vllm" in f["rung_share"]["guarded"]  # inf_scale's two
+    q = f["quality"]["all"]  # the faulted answers that left INT4 (inf_scale's two at least) against fp32's
+    assert q["requests"] >= 2 and q["requests"] + q["faulted_never_moved"] == 4 and q["not_computed"] == 0
     assert r["incidents_recorded"]["inf_scale"] == 2
     servers = r["environment"]["servers"]
     assert servers["vllm"]["version"] == "0.32.0" and servers["llama_server"]["threads"] == 1

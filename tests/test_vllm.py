@@ -159,40 +159,6 @@ def test_glitch_tokens_first_tokens_are_refused_by_vllm_and_the_answer_continues
     assert stats["drafts_refused"] == 1 and stats["drafts_passed"] == 0
 
 
-def test_a_drift_window_at_bound_one_turns_every_answer_into_vllms_greedy_answer(model_info, vllm_server, tmp_path):
-    """The drift window with no tolerance (drift_bound = 1: any token that is not fp32's argmax is
-    refused): each held window is scored on vLLM, the first departure is refused with the window's
-    tokens after it, and vLLM continues; past the first refusal the answer is vLLM's. So every
-    answer equals vLLM's own greedy answer, whether INT4 departs in the draft (the capital of
-    France: token 0) or later, in a window after it (checked every 8 tokens here)."""
-    prompts = ("What is the capital of France?", "Who painted the Mona Lisa?", "Name three colors.",
-               "Write a haiku about the sea.")
-    with LlamaServer(model_info.path, n_parallel=4, threads=1, n_ctx_per_slot=1024) as ls, \
-            serving(ls.base_url, vllm_server.base_url, tmp_path, drift_bound=1.0, drift_window=8) as (server, base):
-        sampled_before = sum(server.engine.stats()[f"drafts_{k}"] for k in ("passed", "refused", "confident"))
-        with openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=300) as c:
-            c.chat.completions.create(model=MODEL, max_tokens=40, temperature=0.9, seed=3,
-                                      messages=[{"role": "user", "content": prompts[2]}])
-        sampled_checks = sum(server.engine.stats()[f"drafts_{k}"]
-                             for k in ("passed", "refused", "confident")) - sampled_before
-        answers = [_stream(base, p, 40) for p in prompts]
-        refs = []
-        for p in prompts:
-            ids = user_prompt_ids(model_info.chat_template, p, server.vocab.tokenize)
-            refs.append(httpx.post(f"{vllm_server.base_url}/v1/completions", timeout=120, json={
-                "model": "fp32", "prompt": ids, "max_tokens": 40, "temperature": 0}).json()["choices"][0]["text"])
-        stats = server.engine.stats()
-    for (text, ext, _), ref in zip(answers, refs, strict=True):
-        assert text == ref and not ext["fallback"]
-        assert all(h["check"] == "drift" for h in ext["hazards"])  # a refusal here is a drift refusal only
-    steps = [h["step"] for _, ext, _ in answers for h in ext["hazards"]]
-    assert 0 in steps  # France: INT4's first token is not fp32's
-    assert stats["drafts_drift"] == len(steps) >= 2
-    # windows past the draft were checked: more checks than answers
-    assert stats["drafts_passed"] + stats["drafts_refused"] > len(prompts)
-    assert sampled_checks <= 1  # a sampled answer: its draft's check at most, no drift windows
-
-
 def _verified_stream(base: str, text: str, max_tokens: int, precision: str, temperature: float = 0.0):
     with openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=300) as c:
         chunks = list(c.chat.completions.create(
@@ -213,7 +179,7 @@ def test_verified_decoding_over_llama_server_and_vllm_streams_vllms_greedy_answe
     llama-server and kept; the same request without it is llama-server's (INT4's) answer."""
     prompts = ("What is the capital of France?", "Name three colors.", "Write a haiku about the sea.")
     with LlamaServer(model_info.path, n_parallel=4, threads=1, n_ctx_per_slot=1024) as ls, \
-            serving(ls.base_url, vllm_server.base_url, tmp_path, drift_bound=0.0) as (server, base):
+            serving(ls.base_url, vllm_server.base_url, tmp_path) as (server, base):
         verified = [_verified_stream(base, p, 40, "verified") for p in prompts]
         fast = _verified_stream(base, prompts[0], 40, "fast")
         ids = [user_prompt_ids(model_info.chat_template, p, server.vocab.tokenize) for p in prompts]
@@ -237,7 +203,7 @@ def test_verified_decoding_with_vllm_replicas_as_the_standby_is_vllms_greedy_ans
     prompt = "What is the capital of France?"
     urls = (vllm_server.base_url, vllm_server.base_url.replace("127.0.0.1", "localhost"))
     with LlamaServer(model_info.path, n_parallel=2, threads=1, n_ctx_per_slot=1024) as ls, \
-            serving(ls.base_url, urls, tmp_path, drift_bound=0.0) as (server, base):
+            serving(ls.base_url, urls, tmp_path) as (server, base):
         text, ext = _verified_stream(base, prompt, 32, "verified")
         ids = user_prompt_ids(model_info.chat_template, prompt, server.vocab.tokenize)
         stats = server.engine.stats()
@@ -272,23 +238,23 @@ def _stream_chunks(base: str, text: str, max_tokens: int) -> tuple[str, list[int
     return "".join(ch.delta.content for ch in content), sizes, chunks[-1].model_extra["qladder"]
 
 
-# Its answer's first tokens on the INT4 server (greedy): logprobs -0.66, -1.55 (mean -1.10, over the
-# suspect bound -1.25), each over the diffuse bound -2.2.
+# Its answer's first tokens on the INT4 server (greedy): logprobs -0.66, -1.55, each over the diffuse
+# bound -2.2 (none held by the diffuse rule).
 SURE = "Who painted the Mona Lisa?"
 
 
 def test_an_unflagged_sure_draft_streams_at_once_and_a_flagged_inputs_draft_is_held_and_scored(
         model_info, vllm_server, tmp_path):
-    """The draft check alone (drift windows off): an unflagged input's answer whose first tokens
-    are sure streams them as they come (its first text before its 8th token) and is not scored;
-    the same prompt with a NUL byte in it (removed by the input defence, so the same ids and the
-    same greedy answer, but flagged) holds its first 8 tokens until vLLM has scored them."""
+    """Fast mode: an unflagged input's answer streams as its tokens pass the guard (its first text
+    before its 8th token) and costs vLLM nothing; the same prompt with a NUL byte in it (removed by
+    the input defence, so the same ids and the same greedy answer, but flagged) holds its first 8
+    tokens until vLLM has scored them."""
     def drafts() -> dict[str, int]:
         s = server.engine.stats()
-        return {k: s[f"drafts_{k}"] for k in ("passed", "refused", "confident", "unchecked", "skipped")}
+        return {k: s[f"drafts_{k}"] for k in ("passed", "refused", "unchecked", "skipped")}
 
     with LlamaServer(model_info.path, n_parallel=2, threads=1, n_ctx_per_slot=1024) as ls, \
-            serving(ls.base_url, vllm_server.base_url, tmp_path, drift_bound=0) as (server, base):
+            serving(ls.base_url, vllm_server.base_url, tmp_path) as (server, base):
         before = drafts()
         sure_text, sure_sizes, sure_ext = _stream_chunks(base, SURE, 24)
         between = drafts()
@@ -296,12 +262,10 @@ def test_an_unflagged_sure_draft_streams_at_once_and_a_flagged_inputs_draft_is_h
         after = drafts()
     assert flagged_ext["input_changes"] and not sure_ext.get("input_changes")
     assert sure_text == flagged_text and not sure_ext["hazards"] and not flagged_ext["hazards"]
-    assert {k: between[k] - before[k] for k in before} == {"passed": 0, "refused": 0, "confident": 1,
-                                                            "unchecked": 0, "skipped": 0}
-    assert {k: after[k] - between[k] for k in before} == {"passed": 1, "refused": 0, "confident": 0,
-                                                           "unchecked": 0, "skipped": 0}
-    # what was held before a client saw text: the sure draft's first token until the second came;
-    # the flagged one's whole draft until vLLM had scored it (the sure one's too, before this change)
+    assert {k: between[k] - before[k] for k in before} == {"passed": 0, "refused": 0, "unchecked": 0, "skipped": 0}
+    assert {k: after[k] - between[k] for k in before} == {"passed": 1, "refused": 0, "unchecked": 0, "skipped": 0}
+    # what was held before a client saw text: the unflagged answer's none past the diffuse rule's
+    # own (its first tokens are sure); the flagged one's whole draft until vLLM had scored it
     assert sure_ext["timings"]["first_text_tokens"] <= 2 and flagged_ext["timings"]["first_text_tokens"] >= 8
     assert sure_sizes[0] <= 2, sure_sizes
     assert sum(sure_sizes) == sum(flagged_sizes) == sum(sure_ext["tokens_per_rung"].values())

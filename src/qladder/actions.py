@@ -7,8 +7,7 @@
                     context and calls m.on_verify(token)
     Confirm(reason) the answer would end while its first tokens await a check (remote pool)
     Drafted(j, ids) verified decoding: rung 0 drafted `ids` after the context; rung j decides
-                    them in one forward, then the request drafts on (serving/verify.py); a
-                    `checked` window: rung j only scores INT4's tokens (the drift rule)
+                    them in one forward, then the request drafts on (serving/verify.py)
     Done(result)    the request has ended; its result
 
 `StepFailed` is what a driver hands the step in place of a StepOutput when the engine raised.
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qladder.sampling import TokenLogprob
 from qladder.types import FinishReason, GenerationResult, Hazard
 
 
@@ -61,13 +59,6 @@ class Drafted:
     rung: int
     ids: tuple[int, ...]
     hazard: Hazard | None = None
-    # A checked window (a greedy INT4 answer's drift window, not verified decoding): rung `rung`
-    # scores the drafts and they stand as INT4's tokens unless the drift rule refuses the window
-    # (serving/verify.check); `lps`, INT4's logprobs of them where the request asked; `top`,
-    # INT4's top 5 (id, logprob) at each (the drift measures, qladder.audit).
-    checked: bool = False
-    lps: tuple[TokenLogprob | None, ...] = ()
-    top: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 Action = Continue | MoveTo | Verify | Done | Confirm

@@ -17,13 +17,6 @@ every position of the INT4-written part of the answer, INT4's token with its own
 at the end it hands an `AuditJob` to its sink (the standby's queue). `score` is the pure
 computation on full precision's rows; `DriftWatch` keeps each prompt class's recent agreement
 for a router that sends a class whose agreement falls below a bound to verified decoding.
-
-A checked answer (a greedy INT4 answer held in drift windows, serving/verify.check) is scored by
-full precision anyway, window by window, on INT4's own context: each window gives the same
-measures (`score` on the window's rows, INT4's top 5 recorded as it drafted) and `merge` adds
-them up into one record per answer (`source = "checked"`). Those records cover every checked
-answer, not a sample, and only the part INT4 wrote (a refused window's answer goes on in full
-precision); the sampled audit's (`source = "audit"`) are what an unbiased estimate rests on.
 """
 
 from __future__ import annotations
@@ -77,7 +70,7 @@ class AuditRecord:
     kl_top5: float
     fp32_gap: float
     ts: float = field(default_factory=time.time)
-    source: str = "audit"  # "audit" (a sampled answer re-scored) | "checked" (its drift windows)
+    source: str = "audit"  # what chose the answer for scoring ("audit": the sampled share)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -117,25 +110,6 @@ def score(job: AuditJob, rows: torch.Tensor, source: str = "audit") -> AuditReco
     kl = (q * (q.clamp_min(1e-30).log() - p.clamp_min(1e-30).log())).sum(dim=-1)
     return AuditRecord(job.request_id, job.prompt_class, job.pool, n, float(agree.float().mean()),
                        int(wrong[0]) if len(wrong) else None, float(kl.mean()), float(gap.mean()), source=source)
-
-
-def merge(a: AuditRecord | None, b: AuditRecord, offset: int) -> AuditRecord:
-    """One answer's record so far (`a`, or none yet) and the next scored stretch of it (`b`, which
-    starts at answer position `offset`): token-weighted means, the first divergence of the two."""
-    if a is None:
-        first = None if b.first_divergence is None else offset + b.first_divergence
-        return AuditRecord(b.request_id, b.prompt_class, b.pool, b.tokens, b.agreement, first, b.kl_top5,
-                           b.fp32_gap, source=b.source)
-    n = a.tokens + b.tokens
-
-    def mean(x: float, y: float) -> float:
-        return (a.tokens * x + b.tokens * y) / n
-
-    first = a.first_divergence
-    if first is None and b.first_divergence is not None:
-        first = offset + b.first_divergence
-    return AuditRecord(a.request_id, a.prompt_class, a.pool, n, mean(a.agreement, b.agreement), first,
-                       mean(a.kl_top5, b.kl_top5), mean(a.fp32_gap, b.fp32_gap), source=a.source)
 
 
 class DriftWatch:

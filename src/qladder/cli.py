@@ -314,8 +314,8 @@ def bench_serving(
                                                      "(a verdict needs >= 6).")] = 6,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Also write outcomes.jsonl and results.json "
                                                               "here (bench/check_serving.py OUT recomputes).")] = None,
-    elastic: Annotated[int | None, typer.Option("--elastic", help="Also elastic INT4 on N cores, and both without "
-                                                                  "drift windows (serving/cores.py).")] = None,
+    elastic: Annotated[int | None, typer.Option("--elastic", help="Also elastic INT4 on N cores "
+                                                                  "(serving/cores.py).")] = None,
 ) -> None:
     """Many requests at once: guarded vs bare vs a raw batched llama.cpp loop, and 10% faulted."""
     from qladder.benchmarks.serving import run_serving_bench

@@ -176,7 +176,7 @@ class RequestMachine:
         whether it would take the row's argmax, `row` or the row itself, too)."""
         self.left_at = now = self.clock()  # the handoff's latency counts from here
         self.rec.close_handoff(now, self.step)  # a handoff whose new rung failed before its first token
-        if hazard.check in ("verify", "drift"):  # the standby refused token `step`: continue from the ones before it
+        if hazard.check == "verify":  # the standby refused token `step`: continue from the ones before it
             self.stream.truncate(hazard.step)  # (never below what was released)
         elif hazard.check == "diffuse" or self.unchecked:  # suspect, or never checked: roll back what was held
             self.stream.truncate(0)

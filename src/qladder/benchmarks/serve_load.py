@@ -10,7 +10,7 @@ into the next):
 Only one is under load at a time; an idle server sleeps (no CPU).
 
 With --box, qladder's servers run on their default cores (elastic INT4) and llama-servers on every
-core, and the comparison adds `unchecked` (guarded, `drift_bound = 0`), for reading.
+core.
 
 Phases, one run:
 1. faulted: `clients` streaming clients, closed-loop, for `duration_s` against a guarded server,
@@ -265,7 +265,7 @@ def run_serve_bench(duration_s: float = 120.0, window_s: float = 60.0, rounds: i
     finally:
         g2.stop()
     outcomes += _compare(work, pools, info.path, clean, clients, window_s, rounds, max_tokens, slots, threads,
-                         clock, say, unchecked=box)
+                         clock, say)
     _judge(outcomes, info, max_tokens, say)
     return _write({**head, "observations": obs}, outcomes, out_dir)
 
@@ -346,8 +346,7 @@ def _burst_phase(url: str, clean: list[Job], clients: int, burst_s: float, recov
 
 
 def _compare(work: Path, pools: str, gguf: Path, clean: list[Job], clients: int, window_s: float, rounds: int,
-             max_tokens: int, slots: int, threads: int, clock: Clock, say: Any,
-             unchecked: bool = False) -> list[Outcome]:
+             max_tokens: int, slots: int, threads: int, clock: Clock, say: Any) -> list[Outcome]:
     servers: dict[str, Any] = {
         "guarded": QladderProcess("compare-guarded", f"[server]\ndefault_max_tokens = {max_tokens}\n"
                                   f'incidents = "{work / "compare.sqlite3"}"\n' + pools, [], work),
@@ -355,10 +354,6 @@ def _compare(work: Path, pools: str, gguf: Path, clean: list[Job], clients: int,
                                + pools, [], work),
         "llama_server": LlamaServer(gguf, n_parallel=slots, threads=threads, n_ctx_per_slot=2048),
         "llama_server_aa": LlamaServer(gguf, n_parallel=slots, threads=threads, n_ctx_per_slot=2048)}
-    if unchecked:  # --box: guarded with the drift windows off, for reading (what the checks cost the box)
-        servers["unchecked"] = QladderProcess(
-            "compare-unchecked", f"[server]\ndefault_max_tokens = {max_tokens}\ndrift_bound = 0\n"
-            f'incidents = "{work / "unchecked.sqlite3"}"\n' + pools, [], work)
     out: list[Outcome] = []
     try:
         for s in servers.values():

@@ -15,12 +15,9 @@ Configurations:
                      system-turn prefix), argmax (the ceiling)
     guarded_faulted  guarded, with `fault_share` of the requests given `nan@step=K` (K seeded,
                      uniform in [1, max_tokens / 2]): they must end clean through the standby
-With `cores` (--elastic N: the server's default, `[cores] int4 = "elastic"`), three more:
+With `cores` (--elastic N: the server's default, `[cores] int4 = "elastic"`), one more:
     elastic            guarded, INT4 leasing up to `cores` threads (every core the standby is not
                        using: serving/cores.py), the standby its `standby_threads`
-    unchecked          guarded with the drift windows off (`drift_bound = 0`): no standby work on
-                       clean answers, fixed threads
-    unchecked_elastic  the same, elastic: what the idle core gives INT4 when nothing checks
 Clients are closed-loop: `concurrency` threads each take the next prompt when their last answer is
 done. Each round visits every prompt set and concurrency level, the configurations rotated inside
 each (interleaved: slow drift of the machine hits them alike). Every request is one line of
@@ -194,13 +191,7 @@ def run_serving_bench(n_prompts: int = 32, max_tokens: int = 128, concurrency: t
                          info, settings)
     extra: dict[str, ServingEngine] = {}
     if cores is not None:
-        g = GUARD_PRESETS["default"]
-        unchecked = dataclasses.replace(common, ladder=LadderConfig(
-            guard=dataclasses.replace(g, draft=dataclasses.replace(g.draft, drift_bound=None))))
-        extra = {"elastic": ServingEngine(dataclasses.replace(common, int4_threads=cores, cores=cores), info, settings),
-                 "unchecked": ServingEngine(unchecked, info, settings),
-                 "unchecked_elastic": ServingEngine(dataclasses.replace(unchecked, int4_threads=cores, cores=cores),
-                                                    info, settings)}
+        extra = {"elastic": ServingEngine(dataclasses.replace(common, int4_threads=cores, cores=cores), info, settings)}
     raw = BatchedLlamaCpp(info, n_slots=slots, n_ctx=n_ctx, n_threads=int4_threads, native_dir=None)
     raw.cache_prefix(template_prefix(info, raw.tokenize))  # the same prefill work as the engine's
     rec = OutcomeLog()

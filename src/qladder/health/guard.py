@@ -64,7 +64,8 @@ class RemoteChecks:
 class DraftCheck:
     """What only the remote pool's draft check reads (serving/remote.py, health/remote.check_draft)."""
 
-    # A remote rung's first `verify_tokens` are scored by the rung above (where it can: vLLM) before
+    # A flagged input's answer (the input defence changed it, or its prompt holds a lone byte's id)
+    # on a remote rung: its first `verify_tokens` are scored by the rung above (where it can: vLLM) before
     # any is released; a token the standby finds over e^verify_gap times less likely than the rung
     # that drew it is refused (health/remote.check_draft; bench/calibrate_verify.py on the train half,
     # bench/results/calibrate-verify-train-2026-12-01.json: clean normal answers' largest gap 0.20
@@ -75,23 +76,6 @@ class DraftCheck:
     # vLLM (0.32, CPU) scores a prompt without its prefix cache, at a cost that grows with it: 0.19 s
     # at 40 tokens, 0.7 s at 200, 2.9 s at 800, 8.9 s at 1,900 here. Longer prompts go unchecked.
     verify_max_context: int = 512
-    # Which drafts are scored: those of a flagged input (the input defence changed it, or it holds
-    # byte-fallback tokens), held from their first token; any other has its first 2 tokens held and
-    # judged together, then streams while the mean logprob of its tokens so far on their own rung
-    # stays at or over this bound; when it falls under (the rung is unsure) the draft is held from
-    # its first unreleased token to its end and scored (serving/remote_visit.py). None: score every
-    # draft whole.
-    verify_suspect_logprob: float | None = -1.25
-    # The drift window (health/drift.check_drift): past the draft, every `drift_window` tokens of a
-    # greedy answer are held and scored the same way, and a window where the rung above's own argmax
-    # is under `drift_bound` of the last `drift_window` tokens is refused from its first token that is
-    # not. None: off (past the draft, tokens are released as they come). bench/calibrate_drift.py on
-    # the train half (bench/results/calibrate-drift-2026-12-03.json, 32-token greedy answers): clean
-    # normal answers' lowest window 0.75 (112 answers; median 0.94), 3 of 31 clean abnormal ones at
-    # 0 (the draft check refuses those too); the x1000 corrupted scale's and the glitch tokens'
-    # highest 0.125-0.25 (47 of 47 answers under 0.25). The same for windows of 8, 16 and 32.
-    drift_window: int = 16
-    drift_bound: float | None = 0.5
 
 
 @dataclass(frozen=True)

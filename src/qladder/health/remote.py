@@ -17,19 +17,13 @@ are those the stream allows, before the token is forwarded:
   under `diffuse_first_logprob`. Only where a higher rung exists to take over: a soft signal
   (bench/calibrate_diffuse.py).
 - repetition: the accepted ids loop (the in-process guard's own rule, `StepGuard.check_repetition`).
-- verify (`check_draft`): the answer's first `verify_tokens` are scored by the rung above (the
-  full-precision standby, in one prefill) before any is released (an unflagged input's draft:
-  only once its own logprobs turn unsure, from its first unreleased token, `RemoteVisit.watch`);
-  the first token the standby
+- verify (`check_draft`): a flagged input's answer (the input defence changed it, or its prompt
+  holds a lone byte's id) has its first `verify_tokens` scored by the rung above (the
+  full-precision standby, in one prefill) before any is released; the first token the standby
   finds more than e^`verify_gap` times less likely than the rung that drew it is refused, and the
   answer continues from the tokens before it on the standby. The way speculative decoding checks
   a draft, with a tolerance: an INT4 rung's clean answers differ from fp32's, a corrupted one's
   are tokens fp32 would not say (bench/calibrate_verify.py).
-- drift (`health/drift.check_drift`): past the draft, a greedy answer's tokens are held in
-  windows of `drift_window` and scored the same way; the scorer says, per token, whether it is its
-  own argmax there (rank 1, teacher-forced), and a window whose share of it falls under
-  `drift_bound` is refused from its first token that is not (the rule the in-process scheduler's
-  checked windows apply too).
 The driver adds `deadline` (an inter-token gap past `step_deadline_s`) and `engine_error` (a
 dropped connection, a 5xx, a malformed chunk).
 """

@@ -107,11 +107,6 @@ class ServerMetrics:
                 endpoints.labels(name, "all").set_function(read(f"{kind}_endpoints"))
                 for what in ("migrations", "ejections", "heard", "rejoins"):
                     moves.labels(name, what).set_function(read(f"{kind}_{what}"))
-        windows = Gauge("qladder_checked_windows", "In-process drift windows of greedy INT4 answers: scored by "
-                        "the standby, refused by the drift rule, answers admitted unchecked (standby full)",
-                        ["what"], registry=r)
-        for what, key in (("scored", "checked_windows"), ("refused", "drift_refused"), ("skipped", "checks_skipped")):
-            windows.labels(what).set_function(read(key))
 
     def watch_breakers(self, breakers: dict[str, Breaker]) -> None:
         for name, b in breakers.items():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import signal
 import time
@@ -47,12 +46,6 @@ _log = logging.getLogger("qladder.server")
 def serving_config(t: Topology, settings: Settings) -> ServingConfig:
     int4, standby = t.int4, t.standby
     guard = GUARD_PRESETS[t.server.guard]
-    if t.server.draft_check == "off":
-        guard = dataclasses.replace(guard, draft=dataclasses.replace(guard.draft, verify_tokens=0))
-    elif t.server.draft_check == "all":
-        guard = dataclasses.replace(guard, draft=dataclasses.replace(guard.draft, verify_suspect_logprob=None))
-    guard = dataclasses.replace(guard, draft=dataclasses.replace(
-        guard.draft, drift_window=t.server.drift_window, drift_bound=t.server.drift_bound or None))
     off = t.server.guard == "off"
     from qladder.policy import LadderPolicy
 

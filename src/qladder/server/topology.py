@@ -9,11 +9,6 @@
     redact = false                 # keep only prompt fingerprints in the incident store
     allow_faults = false           # fault injection through the API (validation, load tests only)
     guard = "default"              # guard preset: default, logits, strict, off
-    draft_check = "suspect"        # vLLM above a remote INT4 rung scores an answer's first tokens:
-                                   # "suspect" drafts (a flagged input, an unsure rung), "all", "off"
-    drift_window = 16              # ... and past the draft, every window of this many tokens of a greedy
-    drift_bound = 0.5              # answer, held: a window where fp32's own argmax is under this share
-                                   # is refused from its first token that is not (0: off)
     sanitize = "default"           # input defence preset: default, strict, off
     verify_below = 0.0             # a prompt class whose audited agreement (last 200 answers, at least
                                    # 20) falls under this is served verified (0: never)
@@ -57,7 +52,8 @@
     total = 0                      # 0: the CPUs this process may run on (os.sched_getaffinity)
     int4 = "elastic"               # "elastic": INT4 decodes on every core the standby is not using (all
                                    # of them while it is idle, total - the standby's threads while it
-                                   # works: a handoff, a checked window); or N: N threads, fixed, no lease.
+                                   # works: a handoff, a verified window, an audit); or N: N threads,
+                                   # fixed, no lease.
                                    # Elastic needs an in-process INT4 pool and standby (a remote one's
                                    # cores are its server's): otherwise INT4 runs N or 1 fixed threads
     linger_s = 0.25                # INT4 keeps to its share this long after the standby's last work
@@ -86,8 +82,8 @@
 
 With no file, the defaults serve the embedded model on the machine's cores: the standby on one
 thread, INT4 on the others, and on all of them while the standby has nothing to do (on 2 cores:
-INT4 on 2 threads while idle, 1 + 1 while a handoff or a checked window runs). Every mistake in a
-file is reported at start-up, one line each.
+INT4 on 2 threads while idle, 1 + 1 while a handoff, a verified window or an audit runs). Every
+mistake in a file is reported at start-up, one line each.
 """
 
 from __future__ import annotations
@@ -145,9 +141,6 @@ class ServerSettings:
     redact: bool = False
     allow_faults: bool = False
     guard: str = "default"
-    draft_check: str = "suspect"
-    drift_window: int = 16
-    drift_bound: float = 0.5
     sanitize: str = "default"
     verify_below: float = 0.0
 
@@ -274,7 +267,9 @@ def _section(raw: object, cls: type, name: str, errors: list[str], required: tup
     names = {f.name: f for f in fields(cls)}
     bad = False
     for key in sorted(set(raw) - set(names)):
-        errors.append(f"{name}: unknown key {key!r} (known: {', '.join(names)})")
+        why = RETIRED.get(name, {}).get(key)
+        errors.append(f"{name}: {key!r} was retired ({why})" if why else
+                      f"{name}: unknown key {key!r} (known: {', '.join(names)})")
         bad = True
     for key in required:
         if key not in raw:
@@ -321,7 +316,13 @@ def _type_ok(value: object, want: str) -> bool:
     return True
 
 
-DRAFT_CHECKS = ("suspect", "all", "off")
+# Keys of earlier versions, refused with what took their place.
+RETIRED = {
+    "server": {k: "the drift windows and the draft check's modes are retired: the default decode mode is fast "
+                  "(INT4's tokens under the step guard; a flagged input's first tokens scored where a rung above "
+                  "can), full precision on the path is precision = \"verified\"" for k in
+               ("draft_check", "drift_window", "drift_bound")},
+}
 
 
 def _check_server(s: ServerSettings, errors: list[str]) -> None:
@@ -338,12 +339,6 @@ def _check_server(s: ServerSettings, errors: list[str]) -> None:
         errors.append(f"server.drain_timeout_s must be >= 0, got {s.drain_timeout_s}")
     if s.guard not in GUARD_PRESETS:
         errors.append(f"server.guard: unknown preset {s.guard!r} (choose from {', '.join(GUARD_PRESETS)})")
-    if s.draft_check not in DRAFT_CHECKS:
-        errors.append(f"server.draft_check: {s.draft_check!r} is none of {', '.join(DRAFT_CHECKS)}")
-    if s.drift_window < 1:
-        errors.append(f"server.drift_window must be >= 1, got {s.drift_window}")
-    if not 0.0 <= s.drift_bound <= 1.0:
-        errors.append(f"server.drift_bound must be within [0, 1], got {s.drift_bound}")
     if s.sanitize not in PRESETS:
         errors.append(f"server.sanitize: unknown preset {s.sanitize!r} (choose from {', '.join(PRESETS)})")
 

@@ -13,7 +13,7 @@ Elastic INT4 (`[cores] int4 = "elastic"`, the server's default): the INT4 schedu
 each decode, for what `int4_threads` gives: every core while the standby has had no work for
 `linger_s`, the cores the standby leaves (`total - standby threads`) while it works or just did.
 The standby reports each turn (`standby_turn(busy, now)`): a handoff, a quarantined request, a
-checked window or an audit. A handoff that arrives while INT4 decodes on every core waits for
+verified window or an audit. A handoff that arrives while INT4 decodes on every core waits for
 that one decode (the lease queue), then both run side by side. The standby's torch threads stay
 fixed (its `threads`); only llama.cpp's change, per decode (`llama_set_n_threads`).
 
@@ -23,8 +23,8 @@ ops on 2 threads in *another* thread run ~3x slower (1,000 (1 x 576) @ (576 x 15
 52 ms in a worker thread alone, 150-290 ms after the main thread ran a 2-thread region;
 OMP_WAIT_POLICY, GOMP_SPINCOUNT, OMP_DYNAMIC and OMP_PROC_BIND do not help). One torch thread
 runs no OpenMP region at all, so llama.cpp may take every core between its decodes (measured:
-bench/results/bench-serving-2026-12-04-elastic, where the standby scores every greedy answer's
-drift windows at c8 and keeps pace as well beside a 2-thread INT4 pool as beside a 1-thread one:
+bench/results/bench-serving-2026-12-04-elastic, where the standby scored every greedy answer's
+drift windows at c8 (a mode since retired) and keeps pace as well beside a 2-thread INT4 pool as beside a 1-thread one:
 time to first token P50 1,697 against 1,628 ms, tok/s 82.2 against 74.6; a 3x slower fp32
 forward would show there). A standby on more than one thread beside elastic INT4 meets the
 interaction above. The opposite arrangement (the standby up to all cores, INT4 fixed: `qladder bench

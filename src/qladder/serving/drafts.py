@@ -15,12 +15,6 @@ A drafted row the guard refuses ends the drafting there: the verifying rung take
 rejected draft). A second refusal with no draft between them means INT4 keeps failing on this
 request: it leaves verified decoding by an ordinary handoff (`LEAVE_AFTER` strikes).
 
-A checked request (a greedy INT4 answer with the drift window on: `checked`) drafts the same way,
-but its windows are only scored: the drafts stand as INT4's tokens unless the drift rule refuses
-the window, and then the rest of the answer is full precision's (serving/verify.check). Its drafts
-carry INT4's logprobs where the request asked for them, and INT4's top 5 at each (the drift
-measures of qladder.audit, which the scored windows give for every checked answer).
-
 `next_k` adapts the window to the measured agreement: a window that stood whole grows by 2 (up to
 `K_MAX`), one that did not shrinks to what stood plus one (at least `K_MIN`). Pure functions of
 their arguments; the state is the scheduler thread's.
@@ -32,25 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from qladder.actions import Drafted, StepFailed
-from qladder.audit import top_k
 from qladder.engines.base import StepOutput
-from qladder.health.guard import GuardConfig, StepGuard
-from qladder.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
+from qladder.health.guard import StepGuard
+from qladder.sampling import Sampler, SamplingParams
 from qladder.types import Hazard
 
 K_START, K_MIN, K_MAX = 6, 2, 16
-# A checked request's first window: the drift rule's calibration judged an answer's first 8 tokens
-# at once (bench/calibrate_drift.py), so its windows start there and grow by 2 as they stand.
-K_FIRST_CHECKED = 8
 LEAVE_AFTER = 2
-
-
-def holds_windows(params: SamplingParams, guard: GuardConfig) -> bool:
-    """Whether an INT4 answer is checked in drift windows (where a rung above can score them): a
-    greedy one, with the logits checks and the drift rule on. A sampled answer is not fp32's
-    argmax by design (its windows would be refused for what sampling is for)."""
-    d = guard.draft
-    return params.greedy and guard.check_logits and d.drift_bound is not None and d.drift_window > 0
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -97,13 +79,6 @@ class Drafts:
     away: bool = False  # the machine is at the verifying rung
     sent: int = 0  # drafts in the window out for verification
     k: int = K_START
-    checked: bool = False  # a checked window's drafts: scored, not decided (see the module docstring)
-    lps: list[TokenLogprob | None] = field(default_factory=list)  # a checked request's, beside `ids`
-    top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # the same: INT4's top 5
-
-    def __post_init__(self) -> None:
-        if self.checked:
-            self.k = K_FIRST_CHECKED
 
     @property
     def position(self) -> int:
@@ -139,17 +114,13 @@ class Drafts:
             self.ids.append(self.sampler.sample(out.row, pos))
         else:
             self.ids.append(native_argmax() if native_argmax is not None else int(out.row.argmax()))
-        if self.checked:
-            k = self.params.logprobs
-            self.lps.append(token_logprob(out.row, self.ids[-1], k) if k is not None else None)
-            self.top.append(top_k(out.row))
         return None
 
     def wants_row(self) -> bool:
-        """Whether the slot should decode for a next draft (home: up to a window; away: one ahead;
-        a checked request's, up to K_MAX ahead: its drafts stand unless its window is refused)."""
+        """Whether the slot should decode for a next draft (home: up to a window; away: up to a
+        window past the one out)."""
         ahead = len(self.ids) - (self.sent if self.away else 0)
-        return not self.stopped and ahead < (K_MAX if self.checked and self.away else self.k)
+        return not self.stopped and ahead < self.k
 
     def ready(self) -> bool:
         """Home with a window to send (or nothing more to draft: the verifying rung steps alone)."""
@@ -160,22 +131,18 @@ class Drafts:
         the hazard after them, if they reach it; marks them sent."""
         n = min(len(self.ids), self.k)
         self.sent, self.away = n, True
-        return Drafted(rung, tuple(self.ids[:n]), self.hazard if n == len(self.ids) else None,
-                       self.checked, tuple(self.lps[:n]), tuple(self.top[:n]))
+        return Drafted(rung, tuple(self.ids[:n]), self.hazard if n == len(self.ids) else None)
 
     def reconcile(self, context: list[int]) -> int:
         """The machine is back with `context` (prompt + accepted). Keeps the drafts that are still
         valid, adapts k; returns how many of the evaluated ids (base + ids) the new context shares."""
         lcp = common_prefix(self.base + self.ids, context)
         kept = min(lcp, len(self.base) + self.sent) - len(self.base)
-        if self.sent or not self.checked:  # a checked request's empty first window says nothing of k
-            self.k = next_k(self.k, self.sent, kept)
+        self.k = next_k(self.k, self.sent, kept)
         if lcp == len(context):  # the new context is what was drafted: the rest stands as drafts
             self.ids = self.ids[len(context) - len(self.base):]
-            self.lps = self.lps[len(context) - len(self.base):]
-            self.top = self.top[len(context) - len(self.base):]
         else:
-            self.ids, self.lps, self.top = [], [], []
+            self.ids = []
             self.hazard = None
         self.base = list(context)
         self.away, self.sent = False, 0

@@ -193,8 +193,7 @@ class ServingEngine:
                                    on_return=self._return, forward=self.handoffs.submit, clock=clock,
                                    on_checked=self._checked, verify_sessions=c.slots, cores=self.cores,
                                    threads=c.standby_threads,
-                                   on_audit=self._audited if c.audit_rate > 0 else None, audit_queue=c.audit_queue,
-                                   on_drift=self._audited) \
+                                   on_audit=self._audited if c.audit_rate > 0 else None, audit_queue=c.audit_queue) \
             if local else None
         self.remote = RemotePool(remote, self.aborts, c.remote, forward=self.handoffs.submit, clock=clock) \
             if remote else None
@@ -210,7 +209,6 @@ class ServingEngine:
             self.scheduler.standby_threads = c.standby_threads if self.standby is not None else 0
             if self.standby is not None:
                 self.scheduler.keep_drafting = self._keep_drafting
-                self.scheduler.checks = 1 in self.standby.engines  # drift windows scored in-process
                 self.scheduler.left_drafting = self._drafted
                 self.standby.on_left = self._left_verification
 
@@ -445,10 +443,6 @@ class ServingEngine:
                 # answers whose first tokens the remote standby checked, refused, or could not check
                 **({f"drafts_{k}": v for k, v in self.remote.checks.items()} if self.remote else {}),
                 **({f"verified_{k}": v for k, v in self.remote.verified.items()} if self.remote else {}),
-                # in-process: greedy INT4 answers' drift windows the standby scored, and refused
-                **({"checked_windows": self.standby.checked, "drift_refused": self.standby.drift_refused,
-                    "checks_skipped": self.scheduler.unchecked if isinstance(self.scheduler, Int4Scheduler) else 0}
-                   if self.standby else {}),
                 **self._audit_stats(), **self._replica_stats()}
 
     def _replica_stats(self) -> dict[str, float]:

@@ -14,10 +14,11 @@ remote rung (a `RequestMachine` is handed to the loop by `submit`, and away from
                  this pool if it is remote too, else `forward`ed (the in-process standby)
     a dropped connection, a 5xx, a malformed chunk or a gap past the deadline is a hazard too
     Verify(j) (a loop seen on an in-process rung): one greedy token from rung j decides
-    the answer's first tokens, where the rung above can score (vLLM): held, then scored there in
-       one prefill before any is released (`check_draft`), or, for an unflagged input, streamed
-       while sure and held from where they are not (`RemoteVisit.watch`); a refused token moves
-       the answer to that rung from the tokens before it, as speculative decoding rejects a draft
+    a flagged input's first tokens, where the rung above can score (vLLM): held, then scored
+       there in one prefill before any is released (`check_draft`); a refused token moves the
+       answer to that rung from the tokens before it, as speculative decoding rejects a draft.
+       Any other answer streams as its tokens pass the guard: fast mode spends no full-precision
+       work on the path (the audit, off it, measures INT4's answers)
 
 As rung 0 the pool has the INT4 scheduler's interface (submit, resubmit, healthy, stats), so
 ServingEngine drives either. While a rung's server is unreachable the rung is unhealthy (for
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 import httpx
 
 from qladder import fault_seam
-from qladder.actions import Confirm, Continue, Done, Drafted, Leave, Move, MoveTo, Verify
+from qladder.actions import Confirm, Done, Drafted, Leave, Move, MoveTo, Verify
 from qladder.engines.remote import RemoteEnd, RemoteResumed, RemoteRung, next_item
 from qladder.errors import (
     ConfigError,
@@ -50,12 +51,10 @@ from qladder.errors import (
     StreamSilentError,
     server_down,
 )
-from qladder.health.drift import check_drift
 from qladder.health.remote import RemoteToken, check_draft
 from qladder.machine import RequestMachine
 from qladder.sampling import SamplingParams, TokenLogprob
 from qladder.serving.aborts import AbortRegistry
-from qladder.serving.drafts import holds_windows
 from qladder.serving.prefills import PrefillLedger
 from qladder.serving.remote_verified import run_verified
 from qladder.serving.remote_visit import RemoteVisit
@@ -102,7 +101,7 @@ class RemotePool:
         # answers' first tokens the standby scored (passed, refused, could not say), streamed unscored
         # (an unflagged input's draft that stayed sure to its end), or not held (a prompt over
         # `verify_max_context`); written by the loop thread
-        self.checks = {"passed": 0, "refused": 0, "drift": 0, "unchecked": 0, "confident": 0, "skipped": 0}
+        self.checks = {"passed": 0, "refused": 0, "unchecked": 0, "skipped": 0}
         self.verified = {"windows": 0, "drafted": 0, "stood": 0}  # verified decoding (remote_verified.py)
         self.bugs: list[BaseException] = []
         self._n = 0
@@ -265,18 +264,9 @@ class RemotePool:
             hazard = self._error(m, f"{rung.name} connection failed: {exc!r}")
         finally:
             self._on[j] -= 1
-        visit.leave(isinstance(hazard, Hazard))
         if isinstance(hazard, Hazard):
             return m.on_hazard(hazard, None)
-        self._confident(visit)  # (an answer that ended inside its watched draft)
         return hazard
-
-    def _confident(self, visit: RemoteVisit) -> None:
-        """A watched draft that stayed sure (streamed unscored) counts once, as its watch ends:
-        before its answer does, where the answer is longer than the draft."""
-        if visit.watched and not visit.scored and not visit.counted:
-            visit.counted = True
-            self.checks["confident"] += 1
 
     def _error(self, m: RequestMachine, detail: str) -> Hazard:
         return Hazard("engine_error", m.rungs[m.rung], m.step, detail=detail)
@@ -322,7 +312,7 @@ class RemotePool:
                     if prompt.answered():
                         self._set_healthy(j, True)
                     if isinstance(item, RemoteEnd):
-                        if m.unchecked and (refused := await self._check_draft(visit, j, final=True)) is not None:
+                        if m.unchecked and (refused := await self._check_draft(visit, j)) is not None:
                             return refused
                         m.finish(FinishReason.LENGTH if item.length else FinishReason.STOP)
                         return None
@@ -345,23 +335,15 @@ class RemotePool:
                         return hazard
                     if visit.ended():  # what the visit released completed a stop string
                         return None
-                    if visit.check_at:  # the watched draft turned unsure: held to its end, then scored
-                        n_check, visit.check_at = visit.check_at, 0
                     lp = _logprob(item, m.params.logprobs) if m.params.logprobs is not None else None
                     action = m.accept_token(t, lp)
-                    if visit.watch_until and m.step >= visit.watch_until and not m.unchecked:
-                        visit.watch_until = 0  # the draft ended sure: no longer watched
-                        self._confident(visit)
                     if isinstance(action, Done):  # a stop string in what was released (before any held window)
                         return None
                     if m.unchecked and (isinstance(action, Confirm | MoveTo | Verify) or m.step >= n_check):
-                        final = not isinstance(action, Continue)
-                        if (refused := await self._check_draft(visit, j, final)) is not None:
+                        if (refused := await self._check_draft(visit, j)) is not None:
                             return refused
                         if m.done is not None:  # the released window completed a stop string
                             return None
-                        if isinstance(action, Continue):
-                            n_check = self._hold_window(visit, j)
                         last = self.clock()  # the server kept decoding meanwhile: the gap restarts here
                     if isinstance(action, Confirm):
                         m.finish(action.reason)
@@ -384,81 +366,54 @@ class RemotePool:
         return deadline + self.prefills[j].owed(since)
 
     def _hold_window(self, visit: RemoteVisit, j: int) -> int:
-        """Hold the next window of this answer on rung j for the rung above to check: the answer's
-        first `verify_tokens` (the draft), then every `drift_window` tokens where the drift
-        window is on. The step at which the window is checked (0: none; the rest is released as
-        it comes). A draft that only its own logprobs could make worth scoring is watched
-        instead: the step at which its first tokens are decided on (`RemoteVisit.watch`)."""
-        if visit.check_at:  # the watch held the draft to its end: checked there
-            n, visit.check_at = visit.check_at, 0
-            return n
+        """Hold a flagged input's answer's first `verify_tokens` on rung j (the draft) for the rung
+        above to score before any is released. The step at which it is checked (0: none, and the
+        answer streams as its tokens pass the guard: no full-precision work on the path)."""
         m, g = visit.m, visit.m.config.guard
         d = g.draft
         above = self.rungs.get(j + 1)
-        size = d.verify_tokens if m.step == 0 else (d.drift_window if self._drifts(m) else 0)
-        if (not g.check_logits or d.verify_tokens <= 0 or size <= 0 or above is None
-                or not above.can_score or not self.health[j + 1]):
+        if (m.step != 0 or not g.check_logits or d.verify_tokens <= 0 or above is None
+                or not above.can_score or not self.health[j + 1] or not self._flagged(m, j)):
             return 0
         if len(m.context) > d.verify_max_context:
-            if m.step == 0:
-                self.checks["skipped"] += 1
+            self.checks["skipped"] += 1
             return 0
-        if m.step == 0 and not self._drifts(m) and not self._suspect_input(m, j):
-            return visit.watch(size)  # streamed while sure, held from where it is not
-        visit.await_draft_check(size)
-        return m.step + size
+        visit.await_draft_check(d.verify_tokens)
+        return d.verify_tokens
 
-    async def _check_draft(self, visit: RemoteVisit, j: int, final: bool = False) -> Hazard | None:
-        """Score the held window on rung j + 1 (one prefill); the refusal, or None (released, or
-        a watched draft's first tokens decided on: `RemoteVisit.decide`). `final`: the answer
-        leaves the rung with this window."""
+    async def _check_draft(self, visit: RemoteVisit, j: int) -> Hazard | None:
+        """Score the held draft on rung j + 1 (one prefill); the refusal, or None (released)."""
         assert self._client is not None
         m = visit.m
-        if visit.watch_until and not visit.decide(final):
-            return None
         above, g = self.rungs[j + 1], m.config.guard
         start = visit.held_from
         draft = m.accepted[start:]
         own = visit.drawn[start - visit.start:start - visit.start + len(draft)]
         if not draft:  # an answer that ended at once: nothing to score or release
-            visit.draft_checked([])
+            visit.draft_checked()
             return None
-        visit.scored = True
         try:
             scored = await asyncio.wait_for(above.score(self._client, m.context[:len(m.prompt) + start], draft),
                                             self.config.check_timeout_s)
         except (RemoteStreamError, httpx.HTTPError, TimeoutError) as exc:
             _log.warning("request %s: %s could not check its draft (%r); released unchecked",
                          m.request_id, above.name, exc)
-            if server_down(exc):  # no more windows until it answers
+            if server_down(exc):  # no more checks until it answers
                 self.unhealthy(j + 1)
             self.checks["unchecked"] += 1
-            visit.draft_checked([])
+            visit.draft_checked()
             return None
-        rung, d = m.rungs[m.rung], g.draft
-        refused = check_draft(draft, own, [s.logprob for s in scored], rung, above.name, d.verify_gap, start)
-        if refused is None and d.drift_bound is not None and self._drifts(m):
-            refused = check_drift(draft, [s.rank == 1 for s in scored], visit.flags, rung, above.name,
-                                  d.drift_window, d.drift_bound, start)
+        refused = check_draft(draft, own, [s.logprob for s in scored], m.rungs[m.rung], above.name,
+                              g.draft.verify_gap, start)
         self.checks["refused" if refused else "passed"] += 1
-        if refused is not None and refused.check == "drift":
-            self.checks["drift"] += 1
         if refused is None:
-            visit.draft_checked([s.rank == 1 for s in scored])
+            visit.draft_checked()
         return refused
 
-    @staticmethod
-    def _drifts(m: RequestMachine) -> bool:
-        """Whether the drift window holds this answer (a greedy one, with the window on): sampled
-        answers are not fp32's argmax by design, and keep the draft check alone. The in-process
-        scheduler's checked windows ask the same (`drafts.holds_windows`)."""
-        return holds_windows(m.params, m.config.guard)
-
-    def _suspect_input(self, m: RequestMachine, j: int) -> bool:
-        """Whether every draft of this request is worth the standby's prefill: no suspect bound, a
-        flagged input, or a prompt with a lone byte's id in it. Any other draft is scored only
-        once its own logprobs fall under the bound (`RemoteVisit.watch`)."""
-        if m.config.guard.draft.verify_suspect_logprob is None or m.req.flagged:
+    def _flagged(self, m: RequestMachine, j: int) -> bool:
+        """Whether the request's input is already flagged: the input defence changed it (or the
+        router sent it as suspect), or its prompt holds a lone byte's id."""
+        if m.req.flagged:
             return True
         lone = self.rungs[j].lone_byte_ids
         return any(t in lone for t in m.prompt)

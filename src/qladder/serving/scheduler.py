@@ -47,7 +47,7 @@ from qladder.machine import RequestMachine, step
 from qladder.sampling import Sampler
 from qladder.serving.aborts import AbortRegistry
 from qladder.serving.cores import Cores
-from qladder.serving.drafts import LEAVE_AFTER, Drafts, holds_windows
+from qladder.serving.drafts import LEAVE_AFTER, Drafts
 from qladder.serving.handoffs import RungPool
 from qladder.types import FinishReason, Hazard
 
@@ -81,7 +81,7 @@ class _Slot:
     faults: RowFaults | None = None  # test machinery, only on a request that carries step faults
     gain: bool = False  # a gain fault set on this slot's rows (cleared at release)
     chunked: bool = False  # its peaks hold earlier, unjudged prefill chunks (carried to the next)
-    drafts: Drafts | None = None  # a verified or checked request's drafts (serving/drafts.py)
+    drafts: Drafts | None = None  # a verified request's drafts (serving/drafts.py)
 
     @property
     def away(self) -> bool:
@@ -110,8 +110,6 @@ class Int4Scheduler:
         self.cores = cores
         self.standby_threads = 1  # set by the serving engine: the standby's share while it works
         self.keep_drafting: Callable[[str], bool] | None = None  # set by the serving engine (its policy)
-        self.checks = False  # set by the serving engine: rung 1 scores greedy answers' drift windows
-        self.unchecked = 0  # answers that would have been checked, admitted while the standby was full
         self.stopped_drafting = 0  # verified requests that went on at the verifying rung alone
         self.left_drafting: Callable[[str], None] | None = None  # tells the engine's policy
         self.standby = standby
@@ -263,20 +261,15 @@ class Int4Scheduler:
                 self._waiting.append(s)
             else:
                 self._count(+1)
-                s.returning = s.drafts is None or s.drafts.checked  # a verified one is not handed back: it re-drafts
+                s.returning = s.drafts is None  # a verified one is not handed back: it re-drafts
                 self._waiting.appendleft(s)
 
     def _drafts(self, m: RequestMachine) -> Drafts | None:
-        """A verified request's drafts, or a checked one's (its drift windows, where rung 1 scores
-        them; not an audited answer's: the drift audit measures INT4's answers as they come)."""
-        checked = (not m.req.verified and self.checks and m.audit is None
-                   and holds_windows(m.params, m.config.guard))
-        if not (m.req.verified or checked):
+        """A verified request's drafts (None for any other)."""
+        if not m.req.verified:
             return None
         sampler = None if m.params.greedy else Sampler(m.params, coupled=True)
-        # a checked answer stays on rung 0: only rungs 0 and 1 bound its windows (a verified one may climb)
-        n_ctx = min(m.n_ctx[:2]) if checked else min(m.n_ctx)
-        return Drafts(m.context, len(m.prompt), m.params, m.eos_ids, n_ctx, sampler, checked=checked)
+        return Drafts(m.context, len(m.prompt), m.params, m.eos_ids, min(m.n_ctx), sampler)
 
     def _resume(self, m: RequestMachine) -> None:
         """A verified request is back: free its slot if it ended, else keep what of its drafts and
@@ -362,10 +355,6 @@ class Int4Scheduler:
             # The request's gain faults, if any: an activation outlier through the real kernels, this slot only.
             s.gain = fault_seam.slot_gains(self.engine, s.slot, s.m.req.faults)
             self.slot_log.append((self.steps, "admit", s.m.request_id, s.slot))
-            if s.drafts is not None and s.drafts.checked and not s.drafts.ids:
-                # an empty first window: rung 1 evaluates the context while this slot prefills and
-                # drafts, so the first real window costs it only the drafts (the time to first text)
-                self._check_window(s)
 
     def _release(self, s: _Slot) -> None:
         """Free a slot at once: its KV removed, the slot reusable by the next step's admission."""
@@ -538,40 +527,13 @@ class Int4Scheduler:
         d = s.drafts
         if d is None or not d.ready():
             return
-        if d.checked and not d.ids and d.hazard is None:  # the rung above's context is full: INT4 goes on alone
-            self._uncheck(s)
-            return
-        if (not d.checked and self.keep_drafting is not None and d.hazard is None
+        if (self.keep_drafting is not None and d.hazard is None
                 and not self.keep_drafting(s.m.request_id)):
             s.drafts = None
             self.stopped_drafting += 1
             self._leave(s, MoveTo(1, poisoned=False))
             return
-        if d.checked:
-            self._check_window(s)
-        else:
-            self._to_standby(s.m, d.window())
-
-    def _check_window(self, s: _Slot) -> None:
-        """A checked request's window to rung 1 (the machine goes with it); a full standby queue
-        leaves the answer unchecked on INT4, never a fallback."""
-        assert self.standby is not None and s.drafts is not None  # `checks` is set only with a standby
-        try:
-            self.standby.submit(s.m, s.drafts.window())
-        except QueueFullError:
-            self._uncheck(s)
-
-    def _uncheck(self, s: _Slot) -> None:
-        """A checked request goes on as a plain INT4 one: its drafts (not accepted) are dropped and
-        the slot's KV cut back to the context less its last token, which is fed again."""
-        m = s.m
-        s.drafts = None
-        self.unchecked += 1
-        keep = len(m.context) - 1
-        if s.n_past > keep:
-            self.engine.truncate(s.slot, keep)
-            s.n_past = keep
-        s.feed = m.context[s.n_past:]
+        self._to_standby(s.m, d.window())
 
     def _leave(self, s: _Slot, action: Action) -> None:
         """The request leaves the pool: done, or to the standby (its slot freed either way)."""

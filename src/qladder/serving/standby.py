@@ -12,9 +12,7 @@ touches it again) with what to carry out:
     Verify(j)    a repetition: rung j's greedy token on the same context -> m.on_verify
     Drafted(j)   verified decoding: rung j decides the drafts in one forward (serving/verify.py),
                  then the machine goes back to rung 0 (`on_checked`) to draft on; the session
-                 stays here, keyed by the request, until the request ends. A checked window
-                 (a greedy INT4 answer's drift window) the same, but rung j only scores INT4's
-                 tokens (verify.check); a refused one goes on here as an ordinary handoff
+                 stays here, keyed by the request, until the request ends
 
 A policy return to rung 0 (`return_after`) hands the machine back to `on_return`; a move to a rung
 this pool does not run (a remote one) hands it to `forward`.
@@ -34,8 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from qladder.actions import Action, Continue, Done, Drafted, Leave, MoveTo, StepFailed, Verify
-from qladder.audit import AuditJob, AuditRecord, merge, score
-from qladder.classify import classify
+from qladder.audit import AuditJob, AuditRecord
 from qladder.engines.base import Engine, Session, StepOutput
 from qladder.engines.torch_batch import BatchedTorch, BatchedTorchSession
 from qladder.engines.torch_engine import TorchEngine
@@ -88,15 +85,13 @@ class StandbyPool:
                  on_checked: Callable[[RequestMachine], None] | None = None,
                  verify_sessions: int = 12, prefill_chunk: int = 256, deadline_per_token_s: float = 0.02,
                  cores: Cores | None = None, threads: int = 1,
-                 on_audit: Callable[[AuditRecord], None] | None = None, audit_queue: int = 64,
-                 on_drift: Callable[[AuditRecord], None] | None = None):
+                 on_audit: Callable[[AuditRecord], None] | None = None, audit_queue: int = 64):
         """on_return: a policy move back to rung 0. forward: a move to a rung not here (a remote
         one; QueueFullError when its pool is full). on_checked: a verified request's window was
         decided (or it ended): back to rung 0. verify_sessions: verified requests' sessions kept
         at once, beside the handoffs'. A forward's time, less `deadline_per_token_s` for each
         token past the first, is what a step's deadline sees (a context's chunk is not a stall).
-        on_audit: a sampled drift audit's record; on_drift: a checked answer's, from its scored
-        windows (qladder.audit), when it leaves its checks (both on this pool's thread)."""
+        on_audit: a drift audit's record (qladder.audit; on this pool's thread)."""
         self._given = dict(engines)
         self.engines = {j: batched(e, max_sessions + verify_sessions + 1) for j, e in engines.items()}
         self.forward = forward
@@ -116,19 +111,14 @@ class StandbyPool:
         self._inbox: queue.Queue[_Task | _Wake | None] = queue.Queue(maxsize=max_queue)
         self._waiting: deque[_Task] = deque()
         self._active: list[_Task] = []
-        # verified and checked requests' sessions between windows, and the rung each is on
+        # verified requests' sessions between windows, and the rung each is on
         self._kept: dict[str, tuple[RequestMachine, Session, int]] = {}
-        self._flags: dict[str, list[bool]] = {}  # a checked request's last flags (verify.check)
-        self._drift: dict[str, AuditRecord] = {}  # a checked request's drift measures so far (audit.merge)
-        self.on_drift = on_drift
         self._n_handoffs = 0
         self.waits_ms: deque[float] = deque(maxlen=1024)  # queue wait of recent handoffs
         self.forwards = 0  # batched forwards run
         self.windows = 0  # draft windows decided
         self.drafts = 0  # drafts in them
         self.drafts_kept = 0  # drafts that stood
-        self.checked = 0  # checked windows scored (greedy INT4 answers' drift windows)
-        self.drift_refused = 0  # checked windows the drift rule refused
         self.bugs: list[BaseException] = []  # exceptions of our own code, raised again by close()
         self._thread = threading.Thread(target=self._run, name="qladder-standby", daemon=True)
         for e in self.engines.values():
@@ -228,7 +218,6 @@ class StandbyPool:
     def _sweep(self) -> None:
         """Close the kept sessions of verified requests that have ended (anywhere)."""
         for rid in [r for r in self._kept if not self.aborts.is_live(r)]:
-            self._forget_checks(rid)
             with contextlib.suppress(Exception):
                 self._kept.pop(rid)[1].close()
 
@@ -248,22 +237,10 @@ class StandbyPool:
     def _close(self, t: _Task) -> None:
         """Close the task's session, and the request's kept verifying session (it leaves verification)."""
         kept = self._kept.pop(t.m.request_id, None)
-        self._forget_checks(t.m.request_id)
         for s in {id(x): x for x in (t.session, kept[1] if kept is not None else None) if x is not None}.values():
             with contextlib.suppress(Exception):
                 s.close()
         t.session = None
-
-    def _forget_checks(self, rid: str) -> None:
-        """A checked request leaves its checks (it ended, left for a rung above, or goes on
-        unchecked): its drift record goes out."""
-        self._flags.pop(rid, None)
-        record = self._drift.pop(rid, None)
-        if record is not None and self.on_drift is not None:
-            try:
-                self.on_drift(record)
-            except Exception:  # an observer's bug must not fail the request
-                _log.exception("a drift observer failed on request %s", rid)
 
     def _turn(self) -> None:
         """Prepare every active task's work, run one forward per rung, act on the rows."""
@@ -341,12 +318,10 @@ class StandbyPool:
         n = min(common_prefix(kept[1].token_ids, m.context), len(m.context) - 1) \
             if isinstance(action, MoveTo) and kept is not None and kept[0] is m and kept[2] == j else 0
         if n:
-            # Warm: the session that verified or checked this answer's windows holds rung j's cache
-            # of its context up to the last window, and is fed only what it lacks: a verified
-            # request that stops drafting, one id; a checked answer handed off (a hazard on INT4,
-            # a refused window), the tokens since its last window.
+            # Warm: the session that verified this answer's windows holds rung j's cache of its
+            # context up to the last window, and is fed only what it lacks (a verified request
+            # that stops drafting: one id).
             s = self._kept.pop(m.request_id)[1]
-            self._forget_checks(m.request_id)
             if n < s.n_tokens:
                 s.rollback(s.n_tokens - n)
             t.session, t.handoff = s, True
@@ -373,8 +348,7 @@ class StandbyPool:
                 return self._open_failed(t, d.rung, str(exc))
             self._kept[m.request_id] = (m, t.session, d.rung)
             self._pending(t.session)  # dropped: the window below starts at the context's first id
-        if not d.checked:  # a checked window's tokens stay INT4's (the rung above only scores them)
-            m.decided_by(d.rung, d.hazard)
+        m.decided_by(d.rung, d.hazard)
         t.rung, t.feed = d.rung, verify.window(m, t.session.n_tokens, d)
         t.rows, t.opened = len(d.ids) + 1, True
         return False
@@ -481,7 +455,7 @@ class StandbyPool:
             m.moved(action.rung, len(m.context) if t.caught is None else t.caught, warm=t.caught is not None)
         if isinstance(got, StepFailed):
             t.feed, t.rows = None, 1  # what was left of a context is moot: the session is not trusted
-            if isinstance(action, Drafted):  # the rung above failed (a checked window's machine is on rung 0)
+            if isinstance(action, Drafted):  # the verifying rung failed
                 self._close(t)
                 t.action = m.on_hazard(Hazard("engine_error", m.rungs[action.rung], m.step, detail=got.error), None)
                 return self._after_window(t)
@@ -492,8 +466,6 @@ class StandbyPool:
             t.action = step(m, got, 0.0)
             return self._settle(t)
         rows, out, took = got
-        if isinstance(action, Drafted) and action.checked:
-            return self._checked(t, action, rows)
         if isinstance(action, Drafted):
             self.windows += 1
             self.drafts += len(action.ids)
@@ -509,23 +481,6 @@ class StandbyPool:
             m.moved(action.rung, len(m.context), warm=False)  # climbing here: this row is its first step
         t.action = step(m, out, took)
         return self._settle(t)
-
-    def _checked(self, t: _Task, d: Drafted, rows: torch.Tensor) -> bool:
-        """A checked window scored: INT4's tokens stand, or the drift rule refused the window."""
-        m, g = t.m, t.m.config.guard.draft
-        assert g.drift_bound is not None
-        before = self._flags.setdefault(m.request_id, [])
-        n = len(d.ids) - bool(d.ids and d.ids[-1] in m.eos_ids and not m.params.ignore_eos)  # not an end
-        if n and len(d.top) == len(d.ids):  # INT4's drift on this window's tokens (before they join)
-            last = self._drift.get(m.request_id)
-            cls = last.prompt_class if last is not None else m.req.prompt_class or classify(m.req.prompt_text)
-            job = AuditJob(m.request_id, cls, m.rungs[0], (), d.ids[:n], d.top[:n])
-            self._drift[m.request_id] = merge(last, score(job, rows, source="checked"), m.step)
-        t.action, flags, refused = verify.check(m, rows, d, before, g.drift_window, g.drift_bound)
-        before[:] = (before + flags)[-g.drift_window:]
-        self.checked += bool(d.ids)  # not the empty first window (the context alone)
-        self.drift_refused += refused is not None
-        return self._after_window(t)
 
     def _settle(self, t: _Task) -> bool:
         if isinstance(t.action, Done):
@@ -547,9 +502,8 @@ class StandbyPool:
             self._close(t)
             self._back(t)
             return True
-        # A hazard: an ordinary handoff from here. A refused checked window's session stays kept:
-        # the handoff to its rung opens warm on it (_carry_out); any other move closes it there.
-        self._forget_checks(m.request_id)
+        # A hazard: an ordinary handoff from here. The window's session stays kept: a handoff to
+        # its rung opens warm on it (_carry_out); any other move closes it there.
         t.session = None
         self._left(t)
         return False

@@ -11,14 +11,6 @@ difference the row's token is the correction and the window ends; when every dra
 row past the last gives one token more. A draft row that failed rung 0's guard ended the window
 before it (`Drafted.hazard`, recorded): the verifying rung takes that step.
 
-A checked window (`Drafted.checked`: a greedy INT4 answer's drift window, outside verified
-decoding) is only scored: `check` flags each draft that is the rung above's argmax and applies the
-drift rule (health/drift.check_drift). A window that passes stands whole as INT4's tokens (no
-token of the rung above is added); a refused one keeps the drafts before its first departure from
-fp32's argmax, and the hazard moves the request (the policy: the rest on the rung above). The
-repetition rule runs on the way, as `step` would run it on INT4's rows, and a loop it finds is
-confirmed on the rung above's row at that position (`m.on_verify`), as a handoff's would be.
-
 The session on the verifying rung keeps every accepted token but the last in its cache between
 windows (`keep`): the next window starts with that token, so each window has at least one
 token to give the row that decides its first draft.
@@ -32,9 +24,8 @@ import torch
 
 from qladder.actions import Action, Continue, Done, Drafted
 from qladder.engines.base import StepOutput
-from qladder.health.drift import check_drift
 from qladder.machine import RequestMachine, step
-from qladder.types import FinishReason, Hazard
+from qladder.types import FinishReason
 
 
 def window(m: RequestMachine, n_past: int, d: Drafted) -> list[int]:
@@ -58,30 +49,6 @@ def decide(m: RequestMachine, rows: torch.Tensor, d: Drafted, took_s: float,
             m.rec.verified(len(d.ids), kept)
             return action, kept
     raise AssertionError("unreachable: the last row has no draft")
-
-
-def check(m: RequestMachine, rows: torch.Tensor, d: Drafted, before: list[bool], window: int,
-          bound: float) -> tuple[Action, list[bool], Hazard | None]:
-    """A checked window: the rung above's rows (one per draft, and one past) score INT4's drafts.
-    Returns the action, the flags of the drafts that stood (each: the rung above's argmax or not)
-    and the drift refusal, if the window was refused. `before`: the flags of this answer's
-    checked tokens so far (the last `window` of them)."""
-    rung = m.rungs[m.rung]
-    flags = [int(rows[i].argmax()) == t for i, t in enumerate(d.ids)]
-    refused = check_drift(d.ids, flags, before, rung, m.rungs[d.rung], window, bound, m.step)
-    n = len(d.ids) if refused is None else refused.step - m.step
-    for i in range(n):
-        loop = m.guard.check_repetition(m.accepted, rung)
-        if loop is not None:  # INT4's token here was d.ids[i]; the rung above says rows[i]
-            m.on_hazard(loop, d.ids[i])
-            return m.on_verify(int(rows[i].argmax())), flags[:i], None
-        action = m.accept_token(d.ids[i], d.lps[i] if d.lps else None)
-        if not isinstance(action, Continue):
-            return action, flags[:i + 1], None
-    hazard = refused or d.hazard  # a drafted row the guard refused, right after the window
-    if hazard is not None:
-        return m.on_hazard(hazard, None), flags[:n], refused
-    return Continue(), flags, None
 
 
 def _ended_on(action: Action, draft: int, eos_ids: frozenset[int]) -> bool:

@@ -45,7 +45,7 @@ from typing import Any
 import httpx
 
 from qladder.errors import ConfigError, InputError
-from qladder.server.topology import DRAFT_CHECKS
+from qladder.server.topology import PRECISIONS
 from qladder.validate.corpora import Prompt
 from qladder.validate.fault_models import ALL_FAULT_MODELS, FAULT_SETS, FaultModel, assign, by_name
 from qladder.validate.outcome import Outcome
@@ -79,9 +79,8 @@ class RemoteValidateConfig:
     vllm_kv_cache_gib: int = 1
     vllm_eager: bool = False  # --enforce-eager: starts in ~30 s instead of ~80-100 s, ~10% slower
     vllm_url: str | None = None  # a running vLLM on the same fp32 weights (else started here)
-    # the gateway's [server] checks (`qladder serve`'s defaults unless the config's [gateway] says)
-    gateway_draft_check: str = "suspect"
-    gateway_drift_bound: float = 0.5
+    # the gateway's INT4 pool's decode mode (`qladder serve`'s default unless the config's [gateway] says)
+    gateway_precision: str = "fast"
     corpus_dir: Path | None = None
 
     @classmethod
@@ -118,7 +117,7 @@ def load_remote_config(path: Path | None, quick: bool) -> RemoteValidateConfig:
             "llama_server": {"slots": "llama_slots", "threads": "llama_threads", "n_ctx_per_slot": "n_ctx_per_slot"},
             "vllm": {"threads": "vllm_threads", "max_num_seqs": "vllm_max_num_seqs",
                      "kv_cache_gib": "vllm_kv_cache_gib", "eager": "vllm_eager", "url": "vllm_url"},
-            "gateway": {"draft_check": "gateway_draft_check", "drift_bound": "gateway_drift_bound"}}
+            "gateway": {"precision": "gateway_precision"}}
     values: dict[str, Any] = {}
     errors = [f"unknown section [{k}]" for k in data if k not in keys]
     for section, known in keys.items():
@@ -140,8 +139,8 @@ def load_remote_config(path: Path | None, quick: bool) -> RemoteValidateConfig:
     unknown = [f for f in values.get("fault_names", ()) if f not in REMOTE_FAULTS]
     if unknown:
         errors.append(f"[run] fault_names: {unknown} are not faults of a served model ({', '.join(REMOTE_FAULTS)})")
-    if values.get("gateway_draft_check", base.gateway_draft_check) not in DRAFT_CHECKS:
-        errors.append(f"[gateway] draft_check: {values['gateway_draft_check']!r} is none of {', '.join(DRAFT_CHECKS)}")
+    if values.get("gateway_precision", base.gateway_precision) not in PRECISIONS:
+        errors.append(f"[gateway] precision: {values['gateway_precision']!r} is none of {', '.join(PRECISIONS)}")
     if errors:
         raise ConfigError(f"{path}: {len(errors)} mistake(s):\n  " + "\n  ".join(errors))
     return dataclasses.replace(base, **values)
@@ -174,11 +173,10 @@ class Served:
 
 
 def gateway_toml(llama_url: str, vllm_url: str, c: RemoteValidateConfig, incidents: Path) -> str:
-    return (f'[server]\nincidents = "{incidents}"\ndefault_max_tokens = {c.max_tokens}\n'
-            f'draft_check = "{c.gateway_draft_check}"\ndrift_bound = {c.gateway_drift_bound}\n\n'
+    return (f'[server]\nincidents = "{incidents}"\ndefault_max_tokens = {c.max_tokens}\n\n'
             f'[model]\nn_ctx = {c.n_ctx_per_slot}\n\n'
             f'[[pools]]\nname = "int4"\nrungs = ["llama-server"]\nurl = "{llama_url}"\nslots = {c.llama_slots}\n'
-            f'max_queue = 256\nweight = 1.0\nhandoff_to = "standby"\n\n'
+            f'max_queue = 256\nweight = 1.0\nhandoff_to = "standby"\nprecision = "{c.gateway_precision}"\n\n'
             f'[[pools]]\nname = "standby"\nrungs = ["vllm"]\nurl = "{vllm_url}"\nsessions = {c.vllm_max_num_seqs}\n'
             f'max_queue = 256\n')
 

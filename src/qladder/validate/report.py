@@ -509,7 +509,7 @@ def remote_blocks(r: dict[str, Any], images: dict[str, str | None]) -> list[Bloc
         *common_blocks(r, images, REMOTE_LABELS, REMOTE_SIDE_LABELS),
         ("h2", "Servers"), ("table", server_table(r)),
         ("p", f"Incidents recorded by each qladder serve: {r.get('incidents_recorded')}. Draft checks by each "
-              f"(vLLM scored: passed, refused, unchecked; released unscored: confident; not held: skipped): "
+              f"(a flagged input's draft, vLLM scored: passed, refused, unchecked; too long to score: skipped): "
               f"{r.get('draft_checks')}. {m['memory_note']}."),
     ]
     return out + fault_model_blocks(r)

@@ -57,7 +57,7 @@ def test_both_stores_keep_the_same_rows(store_target, tmp_path):
     incs = [_incident(0, t0), _incident(1, t0 + 1, odd, float("-inf")), _incident(2, t0 + 2, value=2.5)]
     store = open_incident_store(store_target)
     store.record_many(incs)
-    store.record_audits([AuditRecord("r0", "normal", "int4", 32, 0.875, 28, 0.01, -0.5, ts=t0)])
+    store.record_audits([AuditRecord("r0", "normal", "int4", 32, 0.875, 28, 0.01, -0.5, ts=t0, excess=0.75)])
     rows = store.rows()
     assert store.count() == 3 and [r["request_id"] for r in rows] == ["a-2", "a-1", "a-0"]
     assert rows[2]["value"] == "nan" and rows[2]["threshold"] == "inf" and rows[1]["value"] == "-inf"
@@ -69,6 +69,7 @@ def test_both_stores_keep_the_same_rows(store_target, tmp_path):
     assert [r["request_id"] for r in store.rows(limit=5, since=t0 + 1)] == ["a-2", "a-1"]
     (audit,) = store.audits()
     assert audit["agreement"] == 0.875 and audit["first_divergence"] == 28 and audit["source"] == "audit"
+    assert audit["excess"] == 0.75
     store.close()
     # the same through the other backend
     other = IncidentStore(tmp_path / "other.sqlite3")

@@ -69,9 +69,10 @@ def test_audit_rows_keep_their_source_and_a_store_from_before_the_column_gains_i
                    " VALUES (1.0, 'old', 'qa', 'int4', 3, 1.0, 0.0, 0.0)")
     db.close()
     store = IncidentStore(path)
-    store.record_audits([AuditRecord("new", "math", "int4", 8, 0.875, 0, 0.01, 0.02, source="probe")])
+    store.record_audits([AuditRecord("new", "math", "int4", 8, 0.875, 0, 0.01, 0.02, source="probe", excess=-0.25)])
     rows = {r["request_id"]: r for r in store.audits()}
     assert rows["old"]["source"] == "audit" and rows["new"]["source"] == "probe"
+    assert rows["old"]["excess"] is None and rows["new"]["excess"] == -0.25
     assert rows["new"]["first_divergence"] == 0 and rows["new"]["agreement"] == 0.875
     store.close()
 

@@ -12,6 +12,12 @@ every position of the INT4-written part of the answer, INT4's token with its own
                        tokens, both distributions renormalised over those 5 (an estimate: the
                        tails are left out; INT4's top 5 are recorded as it decodes)
     fp32_gap           the mean of (fp32's top logprob - fp32's logprob of INT4's token)
+    excess             the mean of fp32's excess surprise at INT4's token: -log p(token) - H(p),
+                       p fp32's distribution there. A sampled token is judged by fp32's probability
+                       of it, not by argmax agreement: at or under 0 on average for a clean rung,
+                       greedy or sampled (its tokens are ones fp32 finds likely), large where a
+                       broken one writes what fp32 would not say. The score the endpoint detector
+                       reads (health/detector.py)
 
 `AuditTrail` is what a request's machine keeps while INT4 decodes (its tokens' top-5 logprobs);
 at the end it hands an `AuditJob` to its sink (the standby's queue). `score` is the pure
@@ -71,6 +77,7 @@ class AuditRecord:
     fp32_gap: float
     ts: float = field(default_factory=time.time)
     source: str = "audit"  # what chose the answer for scoring ("audit": the sampled share)
+    excess: float | None = None  # mean excess surprise (None: a record from before it was kept)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,13 +110,16 @@ def score(job: AuditJob, rows: torch.Tensor, source: str = "audit") -> AuditReco
     best = logp.argmax(dim=-1)
     agree = best == tokens
     wrong = (~agree).nonzero().flatten()
-    gap = logp.gather(1, best.unsqueeze(1)).squeeze(1) - logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    own = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    gap = logp.gather(1, best.unsqueeze(1)).squeeze(1) - own
+    entropy = -torch.special.xlogy(logp.exp(), logp.exp()).sum(dim=-1)
     ids = torch.tensor([[t for t, _ in top] for top in job.top])  # (n, 5)
     q = torch.softmax(torch.tensor([[v for _, v in top] for top in job.top]), dim=-1)
     p = torch.softmax(logp.gather(1, ids), dim=-1)
     kl = (q * (q.clamp_min(1e-30).log() - p.clamp_min(1e-30).log())).sum(dim=-1)
     return AuditRecord(job.request_id, job.prompt_class, job.pool, n, float(agree.float().mean()),
-                       int(wrong[0]) if len(wrong) else None, float(kl.mean()), float(gap.mean()), source=source)
+                       int(wrong[0]) if len(wrong) else None, float(kl.mean()), float(gap.mean()), source=source,
+                       excess=float((-own - entropy).mean()))
 
 
 class DriftWatch:

@@ -594,8 +594,8 @@ def incidents_list(db: DbOption = None, limit: int = 50, since: SinceOption = No
 @incidents_app.command("audits")
 def incidents_audits(db: DbOption = None, limit: int = 50, since: SinceOption = None,
                      as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """The newest drift audits (INT4's agreement with full precision per answer), per class and
-    source (a sampled audit, or a checked answer's windows)."""
+    """The newest drift audits (INT4's agreement with full precision per answer, and fp32's mean
+    excess surprise at its tokens), per class and source."""
     from qladder.incident_replay import parse_since
 
     try:
@@ -608,14 +608,16 @@ def incidents_audits(db: DbOption = None, limit: int = 50, since: SinceOption = 
     if as_json:
         typer.echo(json.dumps(rows, default=str))
         return
-    by: dict[tuple[str, str], list[dict[str, Any]]] = {}  # a sampled audit's and checked answers' apart
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}  # each source apart
     for r in rows:
         by.setdefault((r["prompt_class"], r["source"]), []).append(r)
     for (cls, source), rs in sorted(by.items()):
         tokens = sum(r["tokens"] for r in rs)
         agree = sum(r["tokens"] * r["agreement"] for r in rs) / tokens if tokens else float("nan")
+        scored = [r["excess"] for r in rs if r.get("excess") is not None]
+        excess = f"  excess {sum(scored) / len(scored):+.3f}" if scored else ""
         typer.echo(f"{cls:<9} {source:<7} {len(rs):>5} answers  {tokens:>7} tokens  agreement {agree:.3f}  "
-                   f"diverged {sum(r['first_divergence'] is not None for r in rs)}")
+                   f"diverged {sum(r['first_divergence'] is not None for r in rs)}{excess}")
 
 
 @incidents_app.command("show")

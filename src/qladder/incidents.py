@@ -62,7 +62,8 @@ CREATE TABLE IF NOT EXISTS audits (
     first_divergence INTEGER,
     kl_top5 REAL NOT NULL,
     fp32_gap REAL NOT NULL,
-    source TEXT NOT NULL DEFAULT 'audit'
+    source TEXT NOT NULL DEFAULT 'audit',
+    excess REAL
 );
 CREATE INDEX IF NOT EXISTS audits_ts ON audits(ts);
 """
@@ -81,7 +82,7 @@ class Incident:
     prompt_ids: list[int]
     prompt_text: str | None
     hazard: Hazard
-    action: str  # handoff:<rung> | stop:<reason>
+    action: str  # handoff:<rung> | stop:<reason> | eject:<endpoint> (the audit's test)
     handoff_latency_ms: float | None
     faults: list[str]
     ts: float
@@ -137,8 +138,10 @@ class IncidentStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a committed row survives a process crash
         self._db.executescript(SCHEMA)
-        if "source" not in {r[1] for r in self._db.execute("PRAGMA table_info(audits)")}:  # a store from before it
-            self._db.execute("ALTER TABLE audits ADD COLUMN source TEXT NOT NULL DEFAULT 'audit'")
+        have = {r[1] for r in self._db.execute("PRAGMA table_info(audits)")}
+        for column, ddl in (("source", "TEXT NOT NULL DEFAULT 'audit'"), ("excess", "REAL")):
+            if column not in have:  # a store from before it
+                self._db.execute(f"ALTER TABLE audits ADD COLUMN {column} {ddl}")
         self._lock = threading.Lock()
 
     def __call__(self, incident: Incident) -> None:
@@ -166,7 +169,7 @@ class IncidentStore:
     def record_audits(self, records: Sequence[AuditRecord]) -> None:
         rows = [audit_row(a, _storable, _finite) for a in records]
         with self._lock:
-            self._db.executemany(f"INSERT INTO audits ({AUDIT_COLUMNS}) VALUES ({', '.join('?' * 10)})", rows)
+            self._db.executemany(f"INSERT INTO audits ({AUDIT_COLUMNS}) VALUES ({', '.join('?' * AUDIT_WIDTH)})", rows)
 
     def audits(self, limit: int = 1000, since: float | None = None) -> list[dict[str, Any]]:
         """The newest `limit` audit rows (at or after `since`), newest first."""
@@ -202,7 +205,9 @@ class IncidentStore:
 
 INCIDENT_COLUMNS = ("ts, request_id, prompt_hash, prompt_text, prompt_ids, rung, step, check_name, layer, value,"
                     " threshold, action, handoff_latency_ms, faults, detail")
-AUDIT_COLUMNS = "ts, request_id, prompt_class, pool, tokens, agreement, first_divergence, kl_top5, fp32_gap, source"
+AUDIT_COLUMNS = ("ts, request_id, prompt_class, pool, tokens, agreement, first_divergence, kl_top5, fp32_gap, source,"
+                 " excess")
+AUDIT_WIDTH = len(AUDIT_COLUMNS.split(","))
 
 
 def incident_row(inc: Incident, redact: bool, text: Callable[[str | None], str | None],
@@ -220,7 +225,7 @@ def audit_row(a: AuditRecord, text: Callable[[str | None], str | None],
               number: Callable[[float | None], Any]) -> tuple[Any, ...]:
     """A drift audit's values in AUDIT_COLUMNS' order."""
     return (a.ts, text(a.request_id), a.prompt_class, a.pool, a.tokens, a.agreement, a.first_divergence,
-            number(a.kl_top5), number(a.fp32_gap), a.source)
+            number(a.kl_top5), number(a.fp32_gap), a.source, number(a.excess))
 
 
 def _storable(text: str | None) -> str | None:

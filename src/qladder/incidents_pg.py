@@ -25,7 +25,7 @@ from psycopg.rows import dict_row
 
 from qladder.audit import AuditRecord
 from qladder.errors import ConfigError
-from qladder.incidents import AUDIT_COLUMNS, INCIDENT_COLUMNS, Incident, _storable, audit_row, incident_row
+from qladder.incidents import AUDIT_COLUMNS, AUDIT_WIDTH, INCIDENT_COLUMNS, Incident, _storable, audit_row, incident_row
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS incidents (
@@ -59,8 +59,10 @@ CREATE TABLE IF NOT EXISTS audits (
     first_divergence INTEGER,
     kl_top5 DOUBLE PRECISION NOT NULL,
     fp32_gap DOUBLE PRECISION NOT NULL,
-    source TEXT NOT NULL DEFAULT 'audit'
+    source TEXT NOT NULL DEFAULT 'audit',
+    excess DOUBLE PRECISION
 );
+ALTER TABLE audits ADD COLUMN IF NOT EXISTS excess DOUBLE PRECISION;
 CREATE INDEX IF NOT EXISTS audits_ts ON audits(ts);
 """
 _SCHEMA_LOCK = 0x716C6164  # "qlad": the advisory lock two gateways creating the schema take in turn
@@ -136,7 +138,7 @@ class PostgresIncidentStore:
 
     def record_audits(self, records: Sequence[AuditRecord]) -> None:
         rows = [audit_row(a, _text, _number) for a in records]
-        self._write(f"INSERT INTO audits ({AUDIT_COLUMNS}) VALUES ({', '.join(['%s'] * 10)})", rows)
+        self._write(f"INSERT INTO audits ({AUDIT_COLUMNS}) VALUES ({', '.join(['%s'] * AUDIT_WIDTH)})", rows)
 
     def _select(self, sql: str, params: Sequence[Any]) -> list[dict[str, Any]]:
         with self._lock:

@@ -41,6 +41,13 @@ def test_score_reads_agreement_divergence_kl_and_gap_from_the_rows():
     assert r.kl_top5 > 0
     exact = score(_job([4, 6, 2], [same] * 3), rows)
     assert exact.agreement == 1.0 and exact.first_divergence is None and exact.fp32_gap == 0.0
+    # the excess surprise: -log p(token) - H(p), averaged; fp32's own argmax is never over its entropy
+    logp = torch.log_softmax(rows, dim=-1)
+    h = -(logp.exp() * logp).sum(dim=-1)
+    want = float((-logp[torch.arange(3), torch.tensor([4, 7, 2])] - h).mean())
+    assert r.excess == pytest.approx(want, rel=1e-5) and exact.excess is not None and exact.excess <= 0.0
+    unlikely = score(_job([0, 0, 0], [same] * 3), rows)  # tokens fp32 gives ~e-10: far over its entropy
+    assert unlikely.excess is not None and unlikely.excess > 9.0
 
 
 def test_drift_watch_sends_a_class_to_verified_below_its_bound_only_with_enough_answers():
@@ -191,8 +198,16 @@ def test_qladder_serve_audits_stores_and_exports_by_class_and_sends_a_drifting_c
             count = next(float(line.split()[-1]) for line in scrape.splitlines()
                          if line.startswith("qladder_audit_agreement_count") and 'prompt_class="math"' in line)
             assert count >= 20
+            excess = next(float(line.split()[-1]) for line in scrape.splitlines()
+                          if line.startswith("qladder_audit_excess_nats_count") and 'prompt_class="math"' in line)
+            assert excess == count  # every audited answer's excess surprise, exported beside its agreement
+            # the audit's test is on by default: the clean pool is watched (0) or suspect (1), never ejected
+            state = next(float(line.split()[-1]) for line in scrape.splitlines()
+                         if line.startswith("qladder_endpoint_state{") and 'endpoint="int4"' in line)
+            assert state in (0.0, 1.0) and server.engine.stats()["detector_int4_alarms"] == 0.0
         _until(lambda: len(server.store.audits()) >= 21, "the audits stored")
         assert {r["prompt_class"] for r in server.store.audits()} >= {"math"}
+        assert all(r["excess"] is not None for r in server.store.audits())
     finally:
         server.close()
     out = CliRunner().invoke(app, ["incidents", "audits", "--db", str(db)])

@@ -179,6 +179,35 @@ def test_the_default_decode_mode_is_fast():
     assert c.ladder.guard.draft.verify_tokens == 8  # a flagged input's first tokens, where a rung above can score
 
 
+def test_the_audit_and_its_test_are_on_by_default_where_an_in_process_standby_can_score():
+    from qladder.config import Settings
+    from qladder.health.detector import committed
+    from qladder.server.serve import serving_config
+    from qladder.server.topology import AUDIT_FLOOR
+
+    s = Settings.from_env()
+    c = serving_config(parse_topology({}), s)
+    assert c.audit_rate == AUDIT_FLOOR == 0.05 and c.audit_spare_rate == 0.5 and c.detector == committed()
+    off = serving_config(parse_topology({"pools": [{"name": "int4", "rungs": ["int4"], "weight": 1.0,
+                                                    "handoff_to": "s", "audit_rate": 0},
+                                                   {"name": "s", "rungs": ["fp32"]}]}), s)
+    assert off.audit_rate == 0.0 and off.audit_spare_rate == 0.0 and off.detector is None
+    undetected = serving_config(parse_topology({"pools": [{"name": "int4", "rungs": ["int4"], "weight": 1.0,
+                                                           "handoff_to": "s", "detect": False},
+                                                          {"name": "s", "rungs": ["fp32"]}]}), s)
+    assert undetected.audit_rate == 0.05 and undetected.detector is None
+    remote = parse_topology({"pools": [{"name": "edge", "rungs": ["llama-server"], "url": "http://a:1", "weight": 1.0,
+                                        "handoff_to": "gpu"}, {"name": "gpu", "rungs": ["vllm"], "url": "http://b:2"}]})
+    assert serving_config(remote, s).audit_rate == 0.0 and serving_config(remote, s).detector is None
+    with pytest.raises(ConfigError, match="audit_rate is an in-process INT4 pool's"):
+        parse_topology({"pools": [{"name": "edge", "rungs": ["llama-server"], "url": "http://a:1", "weight": 1.0,
+                                   "handoff_to": "gpu", "audit_rate": 0.1}, {"name": "gpu", "rungs": ["vllm"],
+                                                                              "url": "http://b:2"}]})
+    with pytest.raises(ConfigError, match="audit_spare_rate must be in"):
+        parse_topology({"pools": [{"name": "int4", "rungs": ["int4"], "weight": 1.0, "handoff_to": "s",
+                                   "audit_spare_rate": 2}, {"name": "s", "rungs": ["fp32"]}]})
+
+
 def test_a_remote_pool_needs_its_url_and_only_a_remote_rung_takes_one():
     ok = parse_topology({"pools": [{"name": "edge", "rungs": ["llama-server"], "url": "http://10.0.0.5:8080",
                                     "weight": 1.0, "handoff_to": "safe"},

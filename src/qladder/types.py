@@ -32,6 +32,8 @@ class Hazard:
 
     check: str  # nonfinite | flat | magnitude | repetition | activation | outlier | engine_error | deadline
     #             remote rungs also: mismatch (the stream's text is not its ids') | diffuse
+    #             and audit: an endpoint the audit's test ejected (health/detector.py; step 0, value
+    #             the CUSUM statistic, threshold its bound)
     rung: str
     step: int
     value: float | None = None

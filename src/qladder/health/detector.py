@@ -7,14 +7,16 @@ surprise, `-log p(token) - H(p)`, in nats; at or under 0 on average for clean an
 sampled, since a clean rung writes tokens full precision finds likely; large for salad, loops of
 what fp32 would not say, plausible wrong tokens). Per endpoint:
 
-    S_0 = 0,  S_n = max(0, S_{n-1} + x_n - k),  alarm when S_n >= h
+    S_0 = 0,  S_n = max(0, S_{n-1} + min(x_n - k, h / EVIDENCE)),  alarm when S_n >= h
 
 `k` (the reference) is a clean answer's score that clean traffic exceeds rarely (a quantile of the
 train half's clean scores): on clean traffic S drifts back to 0, and a broken endpoint's answers,
-most of them over k, push it up by about their excess each. `h` is set from a false-alarm rate
-chosen before any data is seen: the smallest h for which clean traffic (the train half's scores,
-resampled) raises an alarm within `horizon` audited answers with at most that probability.
-`calibrate` does both; the numbers go into the result folder beside the run they judge.
+most of them over k, push it up by about their excess each, at most h / EVIDENCE an answer, so
+no single answer alarms. `h` is set from a false-alarm rate chosen before any data is seen: the
+smallest h for which clean traffic (the train half's scores, drawn by a smoothed bootstrap so
+the tail past the largest score seen is drawn too) raises an alarm within `horizon` audited
+answers with at most that probability. `calibrate` does both; bench/calibrate_detector.py
+writes them, with every score they came from, to detector_calibration.json.
 
 While S_n > 0 the endpoint is `suspect`: its audit rate goes to every answer until the test
 decides (back to 0: clean; over h: broken). An alarm ejects it; it returns after `probes`
@@ -28,8 +30,19 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+
+# An audited answer with fewer scored tokens is not fed to the test: a mean over 1-7 tokens is too
+# noisy to be evidence either way (a clean sampled 2-token answer can score +1.1), and a broken
+# endpoint's salad runs long. Calibration keeps to the same answers.
+MIN_TOKENS = 8
+# No fewer audited answers than this can raise an alarm: each answer adds at most h / EVIDENCE to
+# the statistic, so one odd answer (a clean one in a tail the calibration never saw, or one bad
+# answer of a healthy server) is never enough, and a broken endpoint is out after EVIDENCE
+# answers far over k.
+EVIDENCE = 3
 
 
 class State(enum.Enum):
@@ -50,30 +63,55 @@ class Thresholds:
     quantile: float  # k is this quantile of the clean scores
     clean_answers: int  # how many clean scores they were calibrated on
     probes: int = 3  # clean probe answers in a row that bring an ejected endpoint back
+    bandwidth: float = 0.0  # the smoothed bootstrap's kernel (nats): clean scores resampled with this noise
+    evidence: int = EVIDENCE  # no fewer answers than this can alarm: each adds at most h / evidence
+
+    @property
+    def cap(self) -> float:
+        """The most one answer adds to the statistic (so one odd answer, clean or not, never alarms alone)."""
+        return self.h / self.evidence
 
     def to_dict(self) -> dict[str, float | int]:
         return {"k": self.k, "h": self.h, "false_alarm": self.false_alarm, "horizon": self.horizon,
-                "quantile": self.quantile, "clean_answers": self.clean_answers, "probes": self.probes}
+                "quantile": self.quantile, "clean_answers": self.clean_answers, "probes": self.probes,
+                "bandwidth": self.bandwidth, "evidence": self.evidence}
 
 
-def false_alarm_rate(clean: Sequence[float], k: float, h: float, horizon: int, runs: int = 2000,
-                     seed: int = 20261206) -> float:
-    """The share of `runs` streams of `horizon` scores drawn from `clean` (with replacement) in
-    which the CUSUM reaches h: the chance of a false alarm within `horizon` clean answers."""
+def bandwidth(clean: Sequence[float] | np.ndarray) -> float:
+    """Silverman's rule of thumb for a Gaussian kernel over the clean scores: the smoothed
+    bootstrap then draws scores past the largest one seen (a few hundred answers do not show the
+    tail a horizon of thousands meets)."""
+    xs = np.asarray(clean, dtype=np.float64)
+    iqr = float(np.subtract(*np.percentile(xs, [75, 25])))
+    spread = min(float(xs.std(ddof=1)), iqr / 1.34) or float(xs.std(ddof=1))
+    return float(0.9 * spread * len(xs) ** -0.2)
+
+
+def false_alarm_rate(clean: Sequence[float] | np.ndarray, k: float, h: float, horizon: int, runs: int = 2000,
+                     seed: int = 20261206, bw: float = 0.0, evidence: int = EVIDENCE) -> float:
+    """The share of `runs` streams of `horizon` scores drawn from `clean` (with replacement, plus
+    Gaussian noise of sd `bw`) in which the CUSUM, each step capped at h / evidence, reaches h:
+    the chance of a false alarm within `horizon` clean answers."""
     rng = np.random.default_rng(seed)
     xs = np.asarray(clean, dtype=np.float64) - k
+    cap = h / evidence
     s = np.zeros(runs)
     alarmed = np.zeros(runs, dtype=bool)
     for _ in range(horizon):
-        s = np.maximum(0.0, s + xs[rng.integers(0, len(xs), runs)])
+        x = xs[rng.integers(0, len(xs), runs)]
+        if bw > 0:
+            x = x + rng.normal(0.0, bw, runs)
+        s = np.maximum(0.0, s + np.minimum(x, cap))
         alarmed |= s >= h
     return float(alarmed.mean())
 
 
-def calibrate(clean: Sequence[float], false_alarm: float = 1e-3, horizon: int = 10_000, quantile: float = 0.95,
-              runs: int = 2000, seed: int = 20261206, probes: int = 3) -> Thresholds:
+def calibrate(clean: Sequence[float] | np.ndarray, false_alarm: float = 1e-3, horizon: int = 10_000,
+              quantile: float = 0.95, runs: int = 2000, seed: int = 20261206, probes: int = 3,
+              smooth: bool = True) -> Thresholds:
     """k and h from clean answers' scores (the train half's): k their `quantile`, h the smallest
-    bound (by bisection, to 1%) whose resampled false-alarm rate within `horizon` is <= `false_alarm`.
+    bound (by bisection, to 1%) whose false-alarm rate within `horizon`, over streams drawn by a
+    smoothed bootstrap (Silverman's bandwidth; `smooth=False`: the plain one), is <= `false_alarm`.
     With `runs` streams a rate under 1 / runs cannot be seen: h is then set where none of them
     alarms, and the stated rate is that bound's (the resolution is said beside it)."""
     if len(clean) < 20:
@@ -82,16 +120,21 @@ def calibrate(clean: Sequence[float], false_alarm: float = 1e-3, horizon: int = 
         raise ValueError("false_alarm must be in (0, 1) and horizon >= 1")
     xs = np.asarray(clean, dtype=np.float64)
     k = float(np.quantile(xs, quantile))
-    lo, hi = 0.0, max(1e-6, float(np.sum(np.maximum(xs - k, 0.0))))
-    while false_alarm_rate(xs, k, hi, horizon, runs, seed) > false_alarm:
+    bw = bandwidth(xs) if smooth else 0.0
+
+    def rate(h: float) -> float:
+        return false_alarm_rate(xs, k, h, horizon, runs, seed, bw)
+
+    lo, hi = 0.0, max(1e-3, float(np.sum(np.maximum(xs - k, 0.0))))
+    while rate(hi) > false_alarm:
         lo, hi = hi, hi * 2.0
     while hi - lo > 0.01 * hi:
         mid = (lo + hi) / 2.0
-        if false_alarm_rate(xs, k, mid, horizon, runs, seed) > false_alarm:
+        if rate(mid) > false_alarm:
             lo = mid
         else:
             hi = mid
-    return Thresholds(k, hi, false_alarm, horizon, quantile, len(xs), probes)
+    return Thresholds(k, hi, false_alarm, horizon, quantile, len(xs), probes, bw)
 
 
 @dataclass
@@ -108,9 +151,9 @@ class Cusum:
 
     def observe(self, x: float) -> State:
         """One audited answer's score (a NaN, an unscorable answer, counts as far over k: the
-        evidence a broken endpoint gives). Returns the new state."""
+        evidence a broken endpoint gives; no answer adds more than `cap`). Returns the new state."""
         if math.isnan(x):
-            x = self.t.k + self.t.h
+            x = self.t.k + self.t.cap
         self.answers += 1
         if self.state in (State.EJECTED, State.PROBING):
             self.clean_probes = self.clean_probes + 1 if x < self.t.k else 0
@@ -118,7 +161,7 @@ class Cusum:
             if self.clean_probes >= self.t.probes:
                 self.s, self.clean_probes, self.evidence, self.state = 0.0, 0, [], State.WATCHED
             return self.state
-        self.s = max(0.0, self.s + x - self.t.k)
+        self.s = max(0.0, self.s + min(x - self.t.k, self.t.cap))
         self.evidence = [*self.evidence, x] if self.s > 0 else []
         if self.s >= self.t.h:
             self.alarms += 1
@@ -131,3 +174,16 @@ class Cusum:
     def audit_every_answer(self) -> bool:
         """Whether every answer of this endpoint should be audited (suspect, or probing back)."""
         return self.state is not State.WATCHED
+
+
+CALIBRATION = Path(__file__).with_name("detector_calibration.json")
+
+
+def committed() -> Thresholds:
+    """The thresholds calibrated on the embedded model's train-half clean traffic
+    (bench/calibrate_detector.py wrote detector_calibration.json beside this module)."""
+    import json
+
+    d = json.loads(CALIBRATION.read_text(encoding="utf-8"))["thresholds"]
+    return Thresholds(float(d["k"]), float(d["h"]), float(d["false_alarm"]), int(d["horizon"]), float(d["quantile"]),
+                      int(d["clean_answers"]), int(d["probes"]), float(d["bandwidth"]), int(d["evidence"]))

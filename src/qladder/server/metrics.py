@@ -8,7 +8,7 @@ metrics take their own locks: any thread may update them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -17,6 +17,7 @@ from qladder.audit import AuditRecord
 from qladder.server.breaker import MODE_VALUE, Breaker, BreakerMode
 from qladder.server.quarantine import Quarantine
 from qladder.server.shared_state import StateSync
+from qladder.serving.endpoint_watch import Alarm
 from qladder.types import Event, FinalEvent, HandoffEvent, HazardEvent, TokenEvent
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -26,6 +27,7 @@ def _mode_value(b: Breaker) -> float:
 
 AGREEMENT_BUCKETS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0)
 KL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+EXCESS_BUCKETS = (-1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 TOKEN_BUCKETS_S = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -66,16 +68,22 @@ class ServerMetrics:
         self.rejected = Counter("qladder_rejected", "Requests refused before any token, by reason",
                                 ["reason"], registry=r)
         self.audit_agreement = Histogram("qladder_audit_agreement", "Drift audit: INT4's top-1 agreement with "
-                                         "full precision over an answer (source: a sampled audit, or a checked "
-                                         "answer's windows)",
+                                         "full precision over an answer (source: what chose it for the audit)",
                                          ["prompt_class", "pool", "source"],
                                          buckets=AGREEMENT_BUCKETS, registry=r)
         self.audit_kl = Histogram("qladder_audit_kl_top5", "Drift audit: mean KL(INT4 || fp32) over INT4's "
                                   "top 5 tokens, per answer", ["prompt_class", "pool", "source"], buckets=KL_BUCKETS,
                                   registry=r)
+        self.audit_excess = Histogram("qladder_audit_excess_nats", "Drift audit: fp32's mean excess surprise "
+                                      "at INT4's tokens (-log p - H(p), nats), per answer: <= 0 on average when "
+                                      "clean, large when INT4 writes what fp32 would not say",
+                                      ["prompt_class", "pool", "source"], buckets=EXCESS_BUCKETS, registry=r)
         self.audit_diverged = Counter("qladder_audit_answers", "Drift audit: answers scored, and whether "
                                       "INT4 left full precision's argmax anywhere",
                                       ["prompt_class", "pool", "source", "diverged"], registry=r)
+        self.endpoint_alarms = Counter("qladder_endpoint_alarms", "The audit's test on an INT4 endpoint "
+                                       "(health/detector.py): ejected (its CUSUM reached the bound) and "
+                                       "returned (clean probes)", ["endpoint", "what"], registry=r)
         self.verify = Counter("qladder_verified", "Verified decoding: windows decided, INT4 drafts in them, "
                               "drafts that stood (acceptance = kept / drafts)", ["what"], registry=r)
 
@@ -107,6 +115,27 @@ class ServerMetrics:
                 endpoints.labels(name, "all").set_function(read(f"{kind}_endpoints"))
                 for what in ("migrations", "ejections", "heard", "rejoins"):
                     moves.labels(name, what).set_function(read(f"{kind}_{what}"))
+
+    def watch_detector(self, stats: Callable[[], dict[str, float]], endpoints: Sequence[str]) -> None:
+        """The audit's test per INT4 endpoint, read at scrape time: its state (0 watched, 1 suspect,
+        2 ejected, 3 probing) and CUSUM statistic."""
+        state = Gauge("qladder_endpoint_state", "The audit's test on an INT4 endpoint: 0 watched, 1 suspect "
+                      "(every answer audited), 2 ejected (full precision serves its requests), 3 probing",
+                      ["endpoint"], registry=self.registry)
+        statistic = Gauge("qladder_endpoint_statistic", "The audit's CUSUM statistic on an INT4 endpoint "
+                          "(nats of excess surprise over the reference, summed; alarm at its bound)",
+                          ["endpoint"], registry=self.registry)
+
+        def read(key: str) -> Callable[[], float]:
+            return lambda: float(stats().get(key, 0.0))
+
+        for e in endpoints:
+            state.labels(e).set_function(read(f"detector_{e}_state"))
+            statistic.labels(e).set_function(read(f"detector_{e}_statistic"))
+
+    def on_alarm(self, a: Alarm) -> None:
+        """An endpoint ejected or returned (the standby's thread)."""
+        self.endpoint_alarms.labels(a.endpoint, "returned" if a.returned else "ejected").inc()
 
     def watch_breakers(self, breakers: dict[str, Breaker]) -> None:
         for name, b in breakers.items():
@@ -155,6 +184,8 @@ class ServerMetrics:
         """A drift audit's record (the standby's thread)."""
         self.audit_agreement.labels(a.prompt_class, a.pool, a.source).observe(a.agreement)
         self.audit_kl.labels(a.prompt_class, a.pool, a.source).observe(a.kl_top5)
+        if a.excess is not None:
+            self.audit_excess.labels(a.prompt_class, a.pool, a.source).observe(a.excess)
         self.audit_diverged.labels(a.prompt_class, a.pool, a.source, str(a.first_divergence is not None).lower()).inc()
 
     def render(self) -> bytes:

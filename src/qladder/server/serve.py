@@ -22,6 +22,7 @@ from qladder.client import EngineClient
 from qladder.config import Settings
 from qladder.engines.endpoint_board import EndpointBoard
 from qladder.engines.llamacpp import LlamaVocab
+from qladder.health.detector import committed
 from qladder.health.guard import GUARD_PRESETS
 from qladder.incidents import IncidentBackend, IncidentWriter, is_postgres_url, open_incident_store
 from qladder.model import ModelInfo
@@ -54,6 +55,7 @@ def serving_config(t: Topology, settings: Settings) -> ServingConfig:
     # standby; N, a remote INT4 rung or a remote standby (its server's cores are not ours to
     # lease): fixed threads, no lease (a remote standby: one INT4 thread unless int4 = N)
     elastic = t.cores.int4 == "elastic" and int4.endpoints is None and (standby is None or standby.endpoints is None)
+    audit = int4.audit_share(standby)
     int4_threads = t.cores.cpus if elastic else t.cores.int4 if isinstance(t.cores.int4, int) else 1
     return ServingConfig(slots=int4.slots, n_ctx=t.model.n_ctx, int4_threads=int4_threads,
                          cores=t.cores.cpus if elastic else None, cores_linger_s=t.cores.linger_s,
@@ -66,7 +68,8 @@ def serving_config(t: Topology, settings: Settings) -> ServingConfig:
                          standby_url=standby.endpoints if standby else None,
                          remote=RemoteConfig(max_inflight=int4.slots + int4.max_queue
                                              + (standby.sessions + standby.max_queue if standby else 0)),
-                         audit_rate=int4.audit_rate)
+                         audit_rate=audit, audit_spare_rate=int4.audit_spare_rate if audit > 0 else 0.0,
+                         detector=committed() if int4.detect and audit > 0 else None)
 
 
 @dataclass
@@ -137,6 +140,9 @@ def assemble(client: EngineClient, info: ModelInfo, vocab: LlamaVocab, t: Topolo
     if gw.drift is not None:
         client.add_audit_observer(gw.drift.record)
     client.add_audit_observer(metrics.observe_audit)
+    if isinstance(client, ServingEngine) and client.watch is not None:
+        client.alarm_observers.append(metrics.on_alarm)
+        metrics.watch_detector(client.stats, [client.int4.name])
     metrics.watch_pools(client.stats, {"int4": t.int4.name, **({"standby": standby.name} if standby else {})})
     metrics.watch_breakers(breakers)
     metrics.watch_quarantine(quarantine)

@@ -25,8 +25,15 @@
     max_queue = 64                 # waiting requests beyond the slots; then 429
     weight = 1.0                   # share of new requests routed here
     handoff_to = "standby"         # the pool that catches this pool's handoffs
-    audit_rate = 0.0               # the drift audit: this share of INT4 answers re-scored by the standby's
-                                   # first rung in the background (agreement by class in /metrics)
+    audit_rate = 0.05              # the audit: this share of INT4 answers scored teacher-forced by the
+                                   # standby's first rung, off the request path when it has nothing else
+                                   # to do (default: 0.05 for an in-process pool beside an in-process
+                                   # standby, 0 otherwise); scores by class in /metrics
+    audit_spare_rate = 0.5         # the share audited instead while the pool has spare capacity (under
+                                   # half its slots busy, nobody waiting): a quiet box audits more
+    detect = true                  # the audit's test (health/detector.py, a CUSUM with committed
+                                   # thresholds) ejects a pool whose answers full precision finds unlikely:
+                                   # its requests then go to the standby until audited probes pass
     precision = "fast"             # "fast": INT4's answers, guarded; "verified": INT4 drafts and the
                                    # standby's first rung decides every token (its answers, verified
                                    # decoding; over llama-server and vLLM greedy requests draft, sampled
@@ -104,6 +111,11 @@ INT4_RUNGS = ("int4", "llama-server")  # in-process, or a remote llama.cpp serve
 FULL_RUNGS = ("fp32", "bf16", "w4a16", "vllm")  # in-process torch, or a remote vLLM server (`url`)
 REMOTE_RUNGS = ("llama-server", "vllm")
 PRECISIONS = ("fast", "verified")
+# The audit's floor: the share of an in-process INT4 pool's answers scored by an in-process
+# standby when the pool does not set audit_rate (its cost is measured by bench serve --box and
+# bench verified's int4-audit configuration; detection takes about 1 / AUDIT_FLOOR answers to the
+# first audited one, then every answer is audited until the test decides)
+AUDIT_FLOOR = 0.05
 
 
 @dataclass(frozen=True)
@@ -119,7 +131,18 @@ class PoolConfig:
     url: str | None = None  # the server of the pool's remote rung (rungs = ["llama-server"] or ["vllm"])
     urls: tuple[str, ...] = ()  # or replicas of it, the same weights (engines/replicas.py): one stream, any replica
     precision: str = "fast"  # an INT4 pool's default: "fast" or "verified" (verified decoding)
-    audit_rate: float = 0.0  # an INT4 pool's share of answers re-scored by the drift audit
+    audit_rate: float | None = None  # an INT4 pool's share of answers the audit scores (None: AUDIT_FLOOR
+    #                                  in-process beside an in-process standby, else 0)
+    audit_spare_rate: float = 0.5  # the share audited while the pool has spare capacity (if audit_rate > 0)
+    detect: bool = True  # the audit's test on this pool's scores ejects it when it decides it is broken
+
+    def audit_share(self, standby: PoolConfig | None) -> float:
+        """The share of this pool's answers audited: its audit_rate, or the floor where an
+        in-process standby can score an in-process pool's answers."""
+        if self.audit_rate is not None:
+            return self.audit_rate
+        local = self.kind == "int4" and self.endpoints is None and standby is not None and standby.endpoints is None
+        return AUDIT_FLOOR if local else 0.0
 
     @property
     def kind(self) -> str:
@@ -286,7 +309,8 @@ def _section(raw: object, cls: type, name: str, errors: list[str], required: tup
             errors.append(f"{name}.{key}: expected {want}, got {type(value).__name__} {value!r}")
             bad = True
             continue
-        values[key] = tuple(value) if isinstance(value, list) else (float(value) if want == "float" else value)
+        number = want in ("float", "float | None")
+        values[key] = tuple(value) if isinstance(value, list) else (float(value) if number else value)
     if bad:
         return None
     try:
@@ -303,7 +327,7 @@ def _type_ok(value: object, want: str) -> bool:
         return isinstance(value, bool)
     if want == "int":
         return isinstance(value, int) and not isinstance(value, bool)
-    if want == "float":
+    if want in ("float", "float | None"):  # (TOML has no null: None is the key left out)
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if want == "str":
         return isinstance(value, str)
@@ -388,7 +412,11 @@ def _check_pools(pools: tuple[PoolConfig, ...], errors: list[str]) -> None:
             errors.append(f"{where}: handoff_to names no pool ({p.handoff_to!r}; pools: {', '.join(names)})")
         if p.handoff_to == p.name:
             errors.append(f"{where}: a pool cannot catch its own handoffs")
-        if not 0.0 <= p.audit_rate <= 1.0:
+        if not 0.0 <= p.audit_spare_rate <= 1.0:
+            errors.append(f"{where}: audit_spare_rate must be in [0, 1], got {p.audit_spare_rate}")
+        if p.audit_rate is None:
+            pass
+        elif not 0.0 <= p.audit_rate <= 1.0:
             errors.append(f"{where}: audit_rate must be in [0, 1], got {p.audit_rate}")
         elif p.audit_rate > 0 and (p.kind != "int4" or remote):
             errors.append(f"{where}: audit_rate is an in-process INT4 pool's (its answers are re-scored)")

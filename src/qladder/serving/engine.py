@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import queue
 import threading
@@ -39,9 +40,10 @@ from qladder.engines.remote import RemoteRung
 from qladder.engines.remote_llama import LlamaServerRung
 from qladder.engines.remote_vllm import VllmRung
 from qladder.engines.replicas import Replicas
-from qladder.errors import ConfigError, InputError, check_prompt_fits
+from qladder.errors import ConfigError, InputError, QueueFullError, check_prompt_fits
+from qladder.health.detector import Thresholds
 from qladder.health.guard import StepGuard
-from qladder.incidents import IncidentSink
+from qladder.incidents import Incident, IncidentSink
 from qladder.machine import RequestMachine
 from qladder.model import ModelInfo, inspect_model, user_prompt_ids
 from qladder.policy import LadderConfig
@@ -49,11 +51,12 @@ from qladder.sampling import SamplingParams
 from qladder.serving.aborts import AbortRegistry
 from qladder.serving.cores import Cores
 from qladder.serving.drafts import should_draft
+from qladder.serving.endpoint_watch import Alarm, EndpointWatch
 from qladder.serving.handoffs import Handoffs
 from qladder.serving.remote import RemoteConfig, RemotePool
 from qladder.serving.scheduler import Int4Scheduler, SchedulerConfig
 from qladder.serving.standby import StandbyPool
-from qladder.types import Event, FinalEvent, GenerationResult
+from qladder.types import Event, FinalEvent, GenerationResult, Hazard
 
 if TYPE_CHECKING:
     from qladder.faults import Fault
@@ -112,10 +115,20 @@ class ServingConfig:
     # Verified requests that draft on INT4 at once (with the standby's handoffs counted in); the
     # others are answered by the full-precision rung alone (drafts.should_draft).
     verify_drafting: int = 1
-    # The drift audit (qladder.audit): this share of INT4 answers re-scored by the standby's
-    # first rung in the background (0: none), at most `audit_queue` waiting.
+    # The audit (qladder.audit): this share of INT4 answers scored teacher-forced by the standby's
+    # first rung in the background, in its turns with nothing else to do (0: none), at most
+    # `audit_queue` waiting; `audit_spare_rate` (if higher) while the INT4 pool has spare capacity
+    # (under half its slots busy, nobody waiting, the audit queue short), so a quiet box audits
+    # more and a busy one keeps to the floor.
     audit_rate: float = 0.0
+    audit_spare_rate: float = 0.0
     audit_queue: int = 64
+    # The endpoint detector (health/detector.py) on the audit's scores: None, none. With it, a
+    # suspect INT4 pool has every answer audited until the test decides; an ejected one's requests
+    # are the standby's from their first token, and the pool is probed (an unshown INT4 answer to
+    # a real prompt, audited) at most every `probe_every_s` until clean probes bring it back.
+    detector: Thresholds | None = None
+    probe_every_s: float = 5.0
 
 
 def template_prefix(info: ModelInfo, tokenize: Callable[[str, bool], list[int]]) -> list[int]:
@@ -174,7 +187,7 @@ class ServingEngine:
         self.cores = Cores(c.cores, c.cores_linger_s) if c.cores is not None else None
         self._guards: dict[object, StepGuard] = {c.ladder.guard: StepGuard(c.ladder.guard, self.info.identity)}
         self.aborts = AbortRegistry()
-        self.audit_observers: list[Callable[[AuditRecord], None]] = []
+        self.audit_observers: list[Callable[[AuditRecord], object]] = []
         self.draft_limit = c.verify_drafting  # a knob: `qladder bench verified` sets it per window
         self.audit_rate = c.audit_rate  # the same (0 switches audits off; > 0 needs c.audit_rate > 0)
         self._drafting: set[str] = set()  # verified requests drafting now, behind _drafting_lock
@@ -193,12 +206,22 @@ class ServingEngine:
                                    on_return=self._return, forward=self.handoffs.submit, clock=clock,
                                    on_checked=self._checked, verify_sessions=c.slots, cores=self.cores,
                                    threads=c.standby_threads,
-                                   on_audit=self._audited if c.audit_rate > 0 else None, audit_queue=c.audit_queue) \
+                                   on_audit=self._audited if c.audit_rate > 0 or c.detector else None,
+                                   audit_queue=c.audit_queue) \
             if local else None
         self.remote = RemotePool(remote, self.aborts, c.remote, forward=self.handoffs.submit, clock=clock) \
             if remote else None
         self.handoffs.pools.update({j: self.standby for j in local if self.standby is not None})
         self.handoffs.pools.update({j: self.remote for j in remote if self.remote is not None})
+        # the endpoint detector: in-process INT4 audited by the in-process standby's first rung
+        self.watch: EndpointWatch | None = None
+        if c.detector is not None and self.standby is not None and self.standby.auditor is not None \
+                and isinstance(self.int4, BatchedLlamaCpp):
+            self.watch = EndpointWatch(c.detector, c.probe_every_s)
+            self.watch.observers.append(self._alarm)
+            self.audit_observers.append(self.watch.record)
+        self.probes = 0  # unshown INT4 answers sent to probe an ejected pool
+        self.alarm_observers: list[Callable[[Alarm], None]] = []
         self.scheduler: Int4Scheduler | RemotePool
         if self.remote is not None and 0 in remote:
             self.scheduler = self.remote
@@ -266,6 +289,13 @@ class ServingEngine:
 
     def _submit(self, r: Request, emit: Callable[[Event], None]) -> None:
         self._check(r)
+        if self.watch is not None and r.start_rung == 0 and self.watch.ejected(self.int4.name):
+            # the audit's test found this INT4 pool broken: the standby's answer (full precision from
+            # the first token; a broken pool does not draft either), and at most every probe_every_s
+            # an unshown INT4 answer to the same prompt, audited, as the probe that can bring it back
+            if self.watch.probe_due(self.int4.name):
+                self._probe(r)
+            r = replace(r, start_rung=1)
         if r.start_rung == 0 and len(self.rungs) > 1 and not self.scheduler.healthy:
             r = replace(r, start_rung=1)  # the INT4 pool is unhealthy (a stall, no probe through yet)
         self.aborts.start(r.request_id)
@@ -294,6 +324,59 @@ class ServingEngine:
             self.aborts.end(r.request_id)
             self._drafted(r.request_id)
             raise
+
+    def _probe(self, r: Request) -> None:
+        """An INT4 answer to `r`'s prompt that nobody is shown, audited (the machine audits every
+        answer of a pool under test): the ejected pool's probe."""
+        probe = Request(f"probe-{uuid.uuid4().hex[:12]}", r.prompt_ids, SamplingParams(max_tokens=min(
+            r.params.max_tokens, 64)), prompt_text=r.prompt_text, prompt_class=r.prompt_class)
+        self.aborts.start(probe.request_id)
+
+        def ended(ev: Event) -> None:
+            if isinstance(ev, FinalEvent):
+                self.aborts.end(probe.request_id)
+
+        try:
+            self.scheduler.submit(self._machine(probe, ended))
+        except QueueFullError:  # no room: the next request's probe
+            self.aborts.end(probe.request_id)
+            return
+        self.probes += 1
+
+    def _alarm(self, a: Alarm) -> None:
+        """The endpoint detector decided (the standby's thread): a log line, an incident with the
+        audited evidence, and the alarm observers (metrics)."""
+        if a.returned:
+            _log.warning("endpoint %s is back: %d clean probe answers in a row (after %d audited answers)",
+                         a.endpoint, self.watch.t.probes if self.watch else 0, a.answers)
+        else:
+            _log.warning("endpoint %s ejected: the audit's CUSUM reached %.2f (bound %.2f) after %d audited "
+                         "answers; its answers are full precision's until probes pass; evidence %s",
+                         a.endpoint, a.statistic, a.threshold, a.answers,
+                         ", ".join(f"{rid} {x:+.2f}" for rid, x in a.evidence[-8:]))
+            if self.incidents is not None:
+                detail = json.dumps({"evidence": [[rid, x] for rid, x in a.evidence], "answers": a.answers})
+                hazard = Hazard("audit", a.endpoint, 0, a.statistic, a.threshold, detail=detail)
+                rid = a.evidence[-1][0] if a.evidence else "audit"
+                try:
+                    self.incidents(Incident(rid, "", [], None, hazard, f"eject:{a.endpoint}", None, [], a.ts))
+                except Exception:  # a failing store must not stop the audits
+                    _log.exception("the incident of endpoint %s's ejection was not recorded", a.endpoint)
+        for observe in tuple(self.alarm_observers):
+            try:
+                observe(a)
+            except Exception:
+                _log.exception("an alarm observer failed on endpoint %s", a.endpoint)
+
+    def _audit_share(self) -> float:
+        """The floor rate, or the spare one while INT4 has room and the auditor keeps up (the
+        scheduler's and the auditor's counters, read as the stats read them)."""
+        spare = self.config.audit_spare_rate
+        if spare <= self.audit_rate or self.audit_rate <= 0 or not isinstance(self.scheduler, Int4Scheduler):
+            return self.audit_rate
+        auditor = self.standby.auditor if self.standby is not None else None
+        roomy = self.scheduler.depth == 0 and 2 * self.scheduler.slots_in_use < self.int4.n_slots
+        return spare if roomy and auditor is not None and auditor.pending < 4 else self.audit_rate
 
     def _drafts(self, r: Request) -> bool:
         """Whether this verified request drafts (counted until it ends), or goes to rung 1 alone."""
@@ -333,8 +416,10 @@ class ServingEngine:
         if guard is None:  # one StepGuard per guard config, made on the submitting thread
             guard = self._guards.setdefault(ladder.guard, StepGuard(ladder.guard, self.info.identity))
         audit = None
+        under_test = self.watch is not None and self.watch.audit_all(self.int4.name)  # suspect, or probing
         if (self.standby is not None and self.standby.auditor is not None and r.start_rung == 0 and not r.verified
-                and isinstance(self.int4, BatchedLlamaCpp) and selected(r.request_id, self.audit_rate)):
+                and isinstance(self.int4, BatchedLlamaCpp)
+                and (under_test or selected(r.request_id, self._audit_share()))):
             audit = AuditTrail(r.request_id, r.prompt_class or classify(r.prompt_text), self.int4.name,
                                self.standby.audit)
         return RequestMachine(r, self.rungs, self.n_ctx, self.int4.eos_ids, self.int4.detokenize_bytes,
@@ -443,7 +528,22 @@ class ServingEngine:
                 # answers whose first tokens the remote standby checked, refused, or could not check
                 **({f"drafts_{k}": v for k, v in self.remote.checks.items()} if self.remote else {}),
                 **({f"verified_{k}": v for k, v in self.remote.verified.items()} if self.remote else {}),
-                **self._audit_stats(), **self._replica_stats()}
+                **self._audit_stats(), **self._replica_stats(), **self._watch_stats()}
+
+    def _watch_stats(self) -> dict[str, float]:
+        """The endpoint detector's per-endpoint state (0 watched, 1 suspect, 2 ejected, 3 probing),
+        statistic and alarms, and the probes sent."""
+        if self.watch is None:
+            return {}
+        codes = {"watched": 0.0, "suspect": 1.0, "ejected": 2.0, "probing": 3.0}
+        out: dict[str, float] = {"probes": float(self.probes)}
+        seen: dict[str, dict[str, float | str]] = {self.int4.name: {"state": "watched", "statistic": 0.0,
+                                                                    "alarms": 0.0}, **self.watch.snapshot()}
+        for name, v in seen.items():
+            out.update({f"detector_{name}_state": codes[str(v["state"])],
+                        f"detector_{name}_statistic": float(v["statistic"]),
+                        f"detector_{name}_alarms": float(v["alarms"])})
+        return out
 
     def _replica_stats(self) -> dict[str, float]:
         """Pools of replicas (engines/replicas.py), by kind: endpoints healthy and in all,

@@ -1,0 +1,170 @@
+"""Calibrate the endpoint detector (health/detector.py) on the train half's clean traffic.
+
+Every normal and abnormal train prompt (rendered as qladder serve renders it: sanitized, the chat
+template) is answered by the embedded INT4 rung through the serving engine, greedy and sampled
+(temperature 0.8, seed = the prompt's index), ANSWER tokens at most, with every answer audited
+(audit_rate 1: fp32's batched rung scores each one teacher-forced when the standby is idle). Each
+audited answer's score is its mean excess surprise (qladder.audit: -log p_fp32(token) - H(p_fp32)).
+The detector's k and h come from the scores of answers of >= MIN_TOKENS tokens (shorter ones
+carry too little evidence; the endpoint watch does not feed them to its test either) and a
+false-alarm rate fixed here, before any is seen: FALSE_ALARM = 1e-3 within HORIZON = 10,000
+audited answers (one CUSUM per endpoint), k the clean scores' 0.95 quantile, h by a smoothed
+bootstrap (health/detector.py). Beside, for reading (never tuned on): the train corruptions'
+answers (bench/train_populations.py: the x1000 corrupted scale, the glitch-token copy), how many
+were scored (the step guard hands most of them off first) and how many the test needs to alarm.
+
+Writes OUT (default src/qladder/health/detector_calibration.json): the thresholds, every answer's
+score (prompt id, class, mode, tokens, excess), the environment. Usage:
+    python bench/calibrate_detector.py [OUT] [--answer N] [--stride S]     (48 tokens, every prompt;
+                                                                            15 minutes on 2 cores)
+    python bench/calibrate_detector.py --rejudge      (the thresholds again from OUT's saved answers)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from qladder.audit import AuditRecord
+from qladder.config import Settings
+from qladder.engines import load_engine
+from qladder.environment import snapshot
+from qladder.health.detector import MIN_TOKENS, Cusum, State, Thresholds, calibrate
+from qladder.model import inspect_model
+from qladder.sampling import SamplingParams
+from qladder.serving import ServingConfig, ServingEngine
+from qladder.validate.corpora import Prompt
+from train_populations import populations, train_prompts
+
+FALSE_ALARM, HORIZON, QUANTILE = 1e-3, 10_000, 0.95
+OUT = Path(__file__).resolve().parents[1] / "src/qladder/health/detector_calibration.json"
+SAMPLED_T = 0.8
+COMMAND = "python bench/calibrate_detector.py  (--rejudge: the thresholds again from the saved answers)"
+
+
+def answer_all(se: ServingEngine, prompts: list[Prompt], ids: dict[str, list[int] | None], answer: int,
+               population: str) -> list[dict[str, Any]]:
+    """Every prompt greedy and sampled through `se` (8 at a time), every answer audited; the scores."""
+    records: dict[str, AuditRecord] = {}
+    lock = threading.Lock()
+
+    def keep(r: AuditRecord) -> None:
+        with lock:
+            records[r.request_id] = r
+
+    se.add_audit_observer(keep)
+    jobs = [(p, mode, k) for k, p in enumerate(prompts) if ids.get(p.id) for mode in ("greedy", "sampled")]
+    meta: dict[str, tuple[Prompt, str]] = {}
+    pending = list(jobs)
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                p, mode, k = pending.pop(0)
+            params = SamplingParams(max_tokens=answer) if mode == "greedy" else \
+                SamplingParams(max_tokens=answer, temperature=SAMPLED_T, seed=k)
+            req = se.request(ids[p.id] or [], params, prompt_text=str(p.prompt), prompt_class=p.cls)
+            with lock:
+                meta[req.request_id] = (p, mode)
+            se.generate_sync(req)
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    deadline = time.monotonic() + 900
+    while se.stats().get("audits_pending", 0) and time.monotonic() < deadline:  # the standby audits when idle
+        time.sleep(0.5)
+    out = []
+    for rid, (p, mode) in meta.items():
+        r = records.get(rid)
+        out.append({"population": population, "prompt_id": p.id, "class": p.cls, "split": p.split, "mode": mode,
+                    "tokens": r.tokens if r else 0, "excess": r.excess if r else None,
+                    "agreement": r.agreement if r else None})
+    return out
+
+
+def alarm_after(scores: list[float], test: Cusum) -> int | None:
+    """How many of `scores`, in order, the test needs to alarm (None: it does not)."""
+    for n, x in enumerate(scores, 1):
+        if test.observe(x) is State.EJECTED:
+            return n
+    return None
+
+
+def thresholds_from(rows: list[dict[str, Any]]) -> tuple[Thresholds, dict[str, Any]]:
+    """The thresholds from the clean populations' scored answers of >= MIN_TOKENS tokens (the ones
+    the endpoint watch feeds its test), and, for reading, what the test makes of the others."""
+    clean = [r["excess"] for r in rows if r["population"].startswith("clean") and r["excess"] is not None
+             and r["tokens"] >= MIN_TOKENS]
+    t = calibrate(clean, FALSE_ALARM, HORIZON, QUANTILE)
+    broken = {}
+    for pop in sorted({r["population"] for r in rows if not r["population"].startswith("clean")}):
+        mine = [r for r in rows if r["population"] == pop]
+        xs = [r["excess"] for r in mine if r["excess"] is not None and r["tokens"] >= MIN_TOKENS]
+        broken[pop] = {"answers": len(mine), "scored": len(xs), "over_k": sum(x > t.k for x in xs),
+                       "alarm_after": alarm_after(xs, Cusum(t)),
+                       "why_unscored": "handed off by the step guard before INT4 wrote MIN_TOKENS tokens "
+                                       "(the audit scores INT4-only answers)"}
+    return t, broken
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", nargs="?", type=Path, default=OUT)
+    ap.add_argument("--answer", type=int, default=48)
+    ap.add_argument("--stride", type=int, default=1, help="every S-th train prompt (1: all)")
+    ap.add_argument("--rejudge", action="store_true", help="recompute the thresholds from OUT's saved answers "
+                    "(no engines run)")
+    a = ap.parse_args()
+    if a.rejudge:
+        out = json.loads(a.out.read_text(encoding="utf-8"))
+        t, broken = thresholds_from(out["answers"])
+        out.update(thresholds=t.to_dict(), train_corruptions_for_reading=broken, min_tokens=MIN_TOKENS,
+                   clean_answers=t.clean_answers, command=COMMAND)
+        a.out.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+        print(json.dumps({k: v for k, v in out.items() if k not in ("answers", "environment")}, indent=2))
+        return 0
+    settings = Settings.from_env()
+    info = inspect_model(None, settings.cache_dir)
+    t0 = time.perf_counter()
+    normal, abnormal, ids = train_prompts(info, a.answer)
+    fp32 = load_engine("fp32", info, settings)  # the clean full-precision rung audits every population
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as d:
+        for name, gguf, prompts in populations(info, Path(d), normal, abnormal, a.stride):
+            cfg = ServingConfig(slots=8, n_ctx=2048, int4_threads=settings.n_threads,
+                                standby_threads=settings.n_threads, audit_rate=1.0, audit_queue=4096)
+            se = ServingEngine(cfg, dataclasses.replace(info, path=gguf.resolve()), settings, standby_engines=[fp32])
+            try:
+                rows += answer_all(se, prompts, ids, a.answer, name.removesuffix("_greedy"))
+            finally:
+                se.close()
+            print(f"{name}: {len(prompts)} prompts, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    t, broken = thresholds_from(rows)
+    out = {"what": "endpoint detector thresholds (health/detector.py) from the train half's clean audited answers",
+           "command": COMMAND,
+           "thresholds": t.to_dict(), "min_tokens": MIN_TOKENS,
+           "score": "mean excess surprise of fp32 at INT4's tokens (qladder.audit.score: excess)",
+           "answer_tokens": a.answer, "sampled_temperature": SAMPLED_T, "stride": a.stride,
+           "clean_answers": t.clean_answers, "unscored": sum(r["excess"] is None for r in rows),
+           "train_corruptions_for_reading": broken, "environment": snapshot(settings.n_threads, 2048),
+           "wall_s": round(time.perf_counter() - t0, 1), "answers": rows}
+    fp32.close()
+    a.out.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    print(json.dumps({k: v for k, v in out.items() if k != "answers"}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The audit finds a broken in-process INT4 pool and takes it out: real llama.cpp kernels on a
+copy of the embedded GGUF with a held-out corruption (test half: rows 0-7 of layer 5's ffn_down,
+every block's scale x30, whose finite salad passes the step guard), the committed detector
+thresholds (health/detector_calibration.json: calibrated on the train half's clean answers only),
+the real fp32 standby scoring the audited answers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+
+from qladder.health.detector import committed
+from qladder.incidents import IncidentStore
+from qladder.model import user_prompt_ids
+from qladder.sampling import SamplingParams
+from qladder.serving import ServingConfig, ServingEngine
+from qladder.validate.corpora import normal_prompts, split_of
+from qladder.validate.gguf_patch import patch_scales
+from qladder.validate.replay import greedy
+
+from .conftest import get_engine
+
+PROMPTS = [p for p in normal_prompts() if split_of(p.id) == "test"][:24]
+
+
+def _until(cond, what: str, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _serve(se: ServingEngine, n: int) -> list:
+    """`n` held-out prompts one after another, each answer's audit (if chosen) done before the next."""
+    out = []
+    for p in PROMPTS[:n]:
+        ids = user_prompt_ids(se.info.chat_template, str(p.prompt), se.int4.tokenize)
+        out.append(se.generate_sync(se.request(ids, SamplingParams(max_tokens=32), prompt_text=str(p.prompt),
+                                               prompt_class=p.cls)))
+        _until(lambda: se.stats().get("audits_pending", 0) == 0, "the audit queue to drain")
+    return out
+
+
+@pytest.mark.slow
+def test_a_pool_with_corrupted_weights_is_ejected_by_the_audit_and_its_requests_go_to_full_precision(
+        model_info, tmp_path):
+    bad = tmp_path / "scale-x30-rows.gguf"
+    patch_scales(model_info.path, bad, "blk.5.ffn_down.weight", rows="0-7", blocks="all", x=30.0)
+    store = IncidentStore(tmp_path / "incidents.db")
+    fp32 = get_engine("fp32")
+    cfg = ServingConfig(slots=4, audit_rate=0.25, detector=committed(), probe_every_s=0.0)
+    se = ServingEngine(cfg, dataclasses.replace(model_info, path=bad.resolve()), incidents=store,
+                       standby_engines=[fp32])
+    alarms: list = []
+    se.alarm_observers.append(alarms.append)
+    try:
+        answers = []
+        for p in PROMPTS:
+            if alarms:
+                break
+            ids = user_prompt_ids(se.info.chat_template, str(p.prompt), se.int4.tokenize)
+            answers.append(se.generate_sync(se.request(ids, SamplingParams(max_tokens=32),
+                                                       prompt_text=str(p.prompt), prompt_class=p.cls)))
+            _until(lambda: se.stats().get("audits_pending", 0) == 0, "the audit queue to drain")
+        assert alarms, f"no alarm after {len(answers)} answers of a corrupted pool: {se.stats()}"
+        a = alarms[0]
+        assert not a.returned and a.endpoint == se.int4.name and a.statistic >= a.threshold
+        # the step guard let its salad through (an answer handed off says why: under the other
+        # worker's load a step can pass its deadline)
+        assert all(set(r.token_rungs) == {"int4"} or r.hazards for r in answers), [r.hazards for r in answers]
+        st = se.stats()
+        assert st["detector_int4_state"] in (2.0, 3.0) and st["detector_int4_alarms"] == 1.0
+        # the evidence: audited answers' request ids and scores, each over the reference
+        rows = [row for row in store.rows() if row["check_name"] == "audit"]
+        assert len(rows) == 1 and rows[0]["action"] == f"eject:{se.int4.name}" and rows[0]["rung"] == se.int4.name
+        assert rows[0]["value"] == pytest.approx(a.statistic) and rows[0]["threshold"] == pytest.approx(a.threshold)
+        evidence = json.loads(rows[0]["detail"])["evidence"]
+        assert evidence and [tuple(e) for e in evidence] == [tuple(e) for e in a.evidence]
+        # ejected: the next requests are full precision's from their first token (exactly fp32's
+        # greedy answer), and a probe (an unshown, audited INT4 answer) goes out beside each
+        p = PROMPTS[-1]
+        ids = user_prompt_ids(se.info.chat_template, str(p.prompt), se.int4.tokenize)
+        r = se.generate_sync(se.request(ids, SamplingParams(max_tokens=16), prompt_text=str(p.prompt)))
+        assert r.token_ids and set(r.token_rungs) == {"fp32"}
+        assert r.token_ids == greedy(fp32, ids, 16)
+        _until(lambda: se.stats()["probes"] >= 1 and se.stats().get("audits_pending", 0) == 0, "a probe's audit")
+        assert se.stats()["detector_int4_state"] in (2.0, 3.0)  # the corrupted pool's probe is no cleaner
+    finally:
+        se.close()
+        store.close()
+
+
+@pytest.mark.slow
+def test_a_clean_pool_audited_at_the_same_rate_raises_no_alarm(model_info, tmp_path):
+    cfg = ServingConfig(slots=4, audit_rate=0.25, detector=committed(), probe_every_s=0.0)
+    se = ServingEngine(cfg, model_info, standby_engines=[get_engine("fp32")])
+    alarms: list = []
+    se.alarm_observers.append(alarms.append)
+    try:
+        answers = _serve(se, len(PROMPTS))
+        st = se.stats()
+        assert st["audits_done"] >= 3, st  # some answers were audited
+        assert not alarms and st["detector_int4_alarms"] == 0.0 and st["detector_int4_state"] in (0.0, 1.0)
+        assert all(set(r.token_rungs) == {"int4"} or r.hazards for r in answers), [r.hazards for r in answers]
+    finally:
+        se.close()

@@ -12,6 +12,8 @@ audited answers (one CUSUM per endpoint), k the clean scores' 0.95 quantile, h b
 bootstrap (health/detector.py). Beside, for reading (never tuned on): the train corruptions'
 answers (bench/train_populations.py: the x1000 corrupted scale, the glitch-token copy), how many
 were scored (the step guard hands most of them off first) and how many the test needs to alarm.
+From the same clean greedy answers, DriftWatch's bound (`[server] verify_below` unset): the
+lowest class's 0.001 quantile of the agreement of 20 answers (qladder.audit.calibrate_drift_bound).
 
 Writes OUT (default src/qladder/health/detector_calibration.json): the thresholds, every answer's
 score (prompt id, class, mode, tokens, excess), the environment. Usage:
@@ -32,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qladder.audit import AuditRecord
+from qladder.audit import AuditRecord, calibrate_drift_bound
 from qladder.config import Settings
 from qladder.engines import load_engine
 from qladder.environment import snapshot
@@ -119,6 +121,19 @@ def thresholds_from(rows: list[dict[str, Any]]) -> tuple[Thresholds, dict[str, A
     return t, broken
 
 
+def drift_from(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """DriftWatch's bound (qladder.audit.calibrate_drift_bound) from the clean greedy answers of
+    >= MIN_TOKENS tokens by prompt class: the normal corpus's classes as they are, every abnormal
+    one as "abnormal" (the class the gateway gives a prompt the input defence changed)."""
+    by: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r["population"].startswith("clean") and r["mode"] == "greedy" and r["agreement"] is not None \
+                and r["tokens"] >= MIN_TOKENS:
+            cls = r["class"] if r["class"] in ("chat", "qa", "code", "math") else "abnormal"
+            by.setdefault(cls, []).append((r["tokens"], r["agreement"]))
+    return calibrate_drift_bound(by, min_answers=20, false_verify=FALSE_ALARM)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", nargs="?", type=Path, default=OUT)
@@ -131,7 +146,7 @@ def main() -> int:
         out = json.loads(a.out.read_text(encoding="utf-8"))
         t, broken = thresholds_from(out["answers"])
         out.update(thresholds=t.to_dict(), train_corruptions_for_reading=broken, min_tokens=MIN_TOKENS,
-                   clean_answers=t.clean_answers, command=COMMAND)
+                   clean_answers=t.clean_answers, command=COMMAND, drift=drift_from(out["answers"]))
         a.out.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
         print(json.dumps({k: v for k, v in out.items() if k not in ("answers", "environment")}, indent=2))
         return 0
@@ -154,7 +169,7 @@ def main() -> int:
     t, broken = thresholds_from(rows)
     out = {"what": "endpoint detector thresholds (health/detector.py) from the train half's clean audited answers",
            "command": COMMAND,
-           "thresholds": t.to_dict(), "min_tokens": MIN_TOKENS,
+           "thresholds": t.to_dict(), "min_tokens": MIN_TOKENS, "drift": drift_from(rows),
            "score": "mean excess surprise of fp32 at INT4's tokens (qladder.audit.score: excess)",
            "answer_tokens": a.answer, "sampled_temperature": SAMPLED_T, "stride": a.stride,
            "clean_answers": t.clean_answers, "unscored": sum(r["excess"] is None for r in rows),

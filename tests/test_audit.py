@@ -7,10 +7,11 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from qladder.audit import AuditJob, AuditRecord, DriftWatch, score, selected
+from qladder.audit import AuditJob, AuditRecord, DriftWatch, calibrate_drift_bound, score, selected
 from qladder.classify import classify
 from qladder.validate.corpora import split_of
 
@@ -60,6 +61,30 @@ def test_drift_watch_sends_a_class_to_verified_below_its_bound_only_with_enough_
     for _ in range(10):
         w.record(AuditRecord("r", "math", "int4", 10, 0.95, None, 0.0, 0.0))
     assert not w.verify("math") and not w.verify("chat") and w.agreement("chat") is None
+
+
+def test_drift_watch_judges_greedy_answers_only():
+    w = DriftWatch(bound=0.8, window=10, min_answers=3)
+    for _ in range(5):
+        w.record(AuditRecord("r", "chat", "int4", 10, 0.2, 0, 0.1, 0.2, greedy=False))  # the sampler's choices
+    assert w.agreement("chat") is None and not w.verify("chat")
+
+
+def test_the_drift_bound_is_the_lowest_class_quantile_of_the_fewest_answers_judged():
+    steady = [(32, 0.97)] * 40
+    wobbly = [(32, 1.0)] * 30 + [(32, 0.5)] * 10  # mean 0.875; 20 draws can hold many of the 0.5s
+    cal = calibrate_drift_bound({"chat": steady, "math": wobbly, "thin": [(8, 1.0)]}, min_answers=20,
+                                false_verify=0.01, runs=4000)
+    assert cal["classes"]["chat"]["quantile"] == pytest.approx(0.97)
+    assert cal["classes"]["math"]["agreement"] == pytest.approx(0.875)
+    assert cal["bound"] == cal["classes"]["math"]["quantile"] < 0.875 and "thin" not in cal["classes"]
+    # a clean window of the wobbly class falls under the bound about 1% of the time, not more
+    rng = np.random.default_rng(3)
+    a = np.array([x for _, x in wobbly])
+    windows = a[rng.integers(0, len(a), (4000, 20))].mean(axis=1)
+    assert (windows < cal["bound"]).mean() <= 0.02
+    with pytest.raises(ValueError):
+        calibrate_drift_bound({"thin": [(8, 1.0)]})
 
 
 def test_prompt_classes_on_the_held_out_half_of_the_corpus():

@@ -181,13 +181,16 @@ def test_the_default_decode_mode_is_fast():
 
 def test_the_audit_and_its_test_are_on_by_default_where_an_in_process_standby_can_score():
     from qladder.config import Settings
-    from qladder.health.detector import committed
+    from qladder.health.detector import committed, committed_drift_bound
     from qladder.server.serve import serving_config
     from qladder.server.topology import AUDIT_FLOOR
 
     s = Settings.from_env()
     c = serving_config(parse_topology({}), s)
     assert c.audit_rate == AUDIT_FLOOR == 0.05 and c.audit_spare_rate == 0.5 and c.detector == committed()
+    # and DriftWatch, its bound the committed calibration's (unset verify_below; 0 turns it off)
+    assert parse_topology({}).server.verify_below is None and 0.9 < committed_drift_bound() < 1.0
+    assert parse_topology({"server": {"verify_below": 0}}).server.verify_below == 0.0
     off = serving_config(parse_topology({"pools": [{"name": "int4", "rungs": ["int4"], "weight": 1.0,
                                                     "handoff_to": "s", "audit_rate": 0},
                                                    {"name": "s", "rungs": ["fp32"]}]}), s)

@@ -63,6 +63,7 @@ class AuditJob:
     prompt_ids: tuple[int, ...]
     answer_ids: tuple[int, ...]  # the INT4-written part of the answer
     top: tuple[tuple[tuple[int, float], ...], ...]  # INT4's top-5 (id, logprob) at each of them
+    greedy: bool = True  # the answer was decoded greedily (its agreement with fp32's argmax means something)
 
 
 @dataclass
@@ -78,6 +79,7 @@ class AuditRecord:
     ts: float = field(default_factory=time.time)
     source: str = "audit"  # what chose the answer for scoring ("audit": the sampled share)
     excess: float | None = None  # mean excess surprise (None: a record from before it was kept)
+    greedy: bool = True  # a greedy answer's (a sampled one's agreement is the sampler's, not INT4's drift)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,8 +88,10 @@ class AuditRecord:
 class AuditTrail:
     """One audited request's INT4 tokens and their top-5 logprobs, kept by its machine."""
 
-    def __init__(self, request_id: str, prompt_class: str, pool: str, sink: Callable[[AuditJob], None]):
+    def __init__(self, request_id: str, prompt_class: str, pool: str, sink: Callable[[AuditJob], None],
+                 greedy: bool = True):
         self.request_id, self.prompt_class, self.pool, self.sink = request_id, prompt_class, pool, sink
+        self.greedy = greedy
         self.top: list[tuple[tuple[int, float], ...]] = []
 
     def add(self, row: torch.Tensor) -> None:
@@ -99,7 +103,7 @@ class AuditTrail:
         n = min(len(self.top), len(answer_ids))
         if n:
             self.sink(AuditJob(self.request_id, self.prompt_class, self.pool, tuple(prompt_ids),
-                               tuple(answer_ids[:n]), tuple(self.top[:n])))
+                               tuple(answer_ids[:n]), tuple(self.top[:n]), self.greedy))
 
 
 def score(job: AuditJob, rows: torch.Tensor, source: str = "audit") -> AuditRecord:
@@ -119,13 +123,40 @@ def score(job: AuditJob, rows: torch.Tensor, source: str = "audit") -> AuditReco
     kl = (q * (q.clamp_min(1e-30).log() - p.clamp_min(1e-30).log())).sum(dim=-1)
     return AuditRecord(job.request_id, job.prompt_class, job.pool, n, float(agree.float().mean()),
                        int(wrong[0]) if len(wrong) else None, float(kl.mean()), float(gap.mean()), source=source,
-                       excess=float((-own - entropy).mean()))
+                       excess=float((-own - entropy).mean()), greedy=job.greedy)
+
+
+def calibrate_drift_bound(clean: dict[str, Sequence[tuple[int, float]]], min_answers: int = 20,
+                          false_verify: float = 1e-3, runs: int = 20_000, seed: int = 20261206) -> dict[str, Any]:
+    """DriftWatch's bound from clean greedy answers' (tokens, agreement) by prompt class (the train
+    half's): for each class, the `false_verify` quantile of the token-weighted agreement of
+    `min_answers` answers drawn with replacement (the fewest DriftWatch judges, where a clean
+    class strays furthest); the bound is the lowest of them, so a clean class of any of these
+    kinds falls under it at its first judgement with at most that chance."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    per: dict[str, dict[str, float | int]] = {}
+    for cls, answers in sorted(clean.items()):
+        if len(answers) < 3:
+            continue
+        n = np.array([t for t, _ in answers], dtype=np.float64)
+        a = np.array([x for _, x in answers], dtype=np.float64)
+        draw = rng.integers(0, len(a), (runs, min_answers))
+        means = (n[draw] * a[draw]).sum(axis=1) / n[draw].sum(axis=1)
+        per[cls] = {"answers": len(a), "agreement": float((n * a).sum() / n.sum()),
+                    "quantile": float(np.quantile(means, false_verify))}
+    if not per:
+        raise ValueError("calibrating the drift bound needs a class with >= 3 clean greedy answers")
+    return {"bound": min(float(v["quantile"]) for v in per.values()), "false_verify": false_verify,
+            "min_answers": min_answers, "classes": per}
 
 
 class DriftWatch:
-    """Each prompt class's agreement over its last `window` audited answers (token-weighted); a
-    class below `bound` (with at least `min_answers` of them) is to be served verified. Any thread
-    may record and ask (one lock)."""
+    """Each prompt class's agreement over its last `window` audited greedy answers
+    (token-weighted; a sampled answer's disagreement with fp32's argmax is the sampler's, and its
+    drift is the endpoint test's to see, through its excess); a class below `bound` (with at least
+    `min_answers` of them) is to be served verified. Any thread may record and ask (one lock)."""
 
     def __init__(self, bound: float = 0.0, window: int = 200, min_answers: int = 20):
         self.bound, self.window, self.min_answers = bound, window, min_answers
@@ -133,6 +164,8 @@ class DriftWatch:
         self._lock = threading.Lock()
 
     def record(self, r: AuditRecord) -> None:
+        if not r.greedy:
+            return
         with self._lock:
             self._recent.setdefault(r.prompt_class, deque(maxlen=self.window)).append((r.tokens, r.agreement))
 

@@ -187,3 +187,12 @@ def committed() -> Thresholds:
     d = json.loads(CALIBRATION.read_text(encoding="utf-8"))["thresholds"]
     return Thresholds(float(d["k"]), float(d["h"]), float(d["false_alarm"]), int(d["horizon"]), float(d["quantile"]),
                       int(d["clean_answers"]), int(d["probes"]), float(d["bandwidth"]), int(d["evidence"]))
+
+
+def committed_drift_bound() -> float:
+    """DriftWatch's bound calibrated beside the thresholds (qladder.audit.calibrate_drift_bound on
+    the same clean greedy answers): a prompt class whose audited agreement falls under it is served
+    verified."""
+    import json
+
+    return float(json.loads(CALIBRATION.read_text(encoding="utf-8"))["drift"]["bound"])

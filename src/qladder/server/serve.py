@@ -22,7 +22,7 @@ from qladder.client import EngineClient
 from qladder.config import Settings
 from qladder.engines.endpoint_board import EndpointBoard
 from qladder.engines.llamacpp import LlamaVocab
-from qladder.health.detector import committed
+from qladder.health.detector import committed, committed_drift_bound
 from qladder.health.guard import GUARD_PRESETS
 from qladder.incidents import IncidentBackend, IncidentWriter, is_postgres_url, open_incident_store
 from qladder.model import ModelInfo
@@ -133,10 +133,11 @@ def assemble(client: EngineClient, info: ModelInfo, vocab: LlamaVocab, t: Topolo
     quarantine = Quarantine(t.quarantine, clock, shared=shared)
     router = Router(t.pools, breakers, quarantine)
     standby = t.standby
+    drift_bound = committed_drift_bound() if t.server.verify_below is None else t.server.verify_below
     gw = Gateway(client, preparer, vocab.detokenize_bytes, vocab.n_vocab, t.server.model_name, router, breakers,
                  quarantine, metrics, t.server.default_max_tokens, t.server.allow_faults,
                  standby.sessions if standby else 0, vocab.control_ids, t.int4.precision,
-                 client.verifies, DriftWatch(t.server.verify_below) if t.server.verify_below > 0 else None)
+                 client.verifies, DriftWatch(drift_bound) if drift_bound > 0 else None)
     if gw.drift is not None:
         client.add_audit_observer(gw.drift.record)
     client.add_audit_observer(metrics.observe_audit)

@@ -10,8 +10,9 @@
     allow_faults = false           # fault injection through the API (validation, load tests only)
     guard = "default"              # guard preset: default, logits, strict, off
     sanitize = "default"           # input defence preset: default, strict, off
-    verify_below = 0.0             # a prompt class whose audited agreement (last 200 answers, at least
-                                   # 20) falls under this is served verified (0: never)
+    verify_below = 0.945           # a prompt class whose audited agreement (last 200 greedy answers, at
+                                   # least 20) falls under this is served verified (0: never; unset: the
+                                   # bound calibrated on the train half, health/detector_calibration.json)
 
     [model]
     path = ""                      # a Llama-family GGUF; "" = the embedded SmolLM2-135M Q4_1
@@ -165,7 +166,7 @@ class ServerSettings:
     allow_faults: bool = False
     guard: str = "default"
     sanitize: str = "default"
-    verify_below: float = 0.0
+    verify_below: float | None = None  # None: the committed calibrated bound (committed_drift_bound)
 
 
 @dataclass(frozen=True)

@@ -421,7 +421,7 @@ class ServingEngine:
                 and isinstance(self.int4, BatchedLlamaCpp)
                 and (under_test or selected(r.request_id, self._audit_share()))):
             audit = AuditTrail(r.request_id, r.prompt_class or classify(r.prompt_text), self.int4.name,
-                               self.standby.audit)
+                               self.standby.audit, greedy=r.params.greedy)
         return RequestMachine(r, self.rungs, self.n_ctx, self.int4.eos_ids, self.int4.detokenize_bytes,
                               ladder, guard, self.incidents, emit, self.clock, audit)
 

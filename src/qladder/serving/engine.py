@@ -351,7 +351,7 @@ class ServingEngine:
                          a.endpoint, self.watch.t.probes if self.watch else 0, a.answers)
         else:
             _log.warning("endpoint %s ejected: the audit's CUSUM reached %.2f (bound %.2f) after %d audited "
-                         "answers; its answers are full precision's until probes pass; evidence %s",
+                         "answers; its requests go to the standby until probes pass; evidence %s",
                          a.endpoint, a.statistic, a.threshold, a.answers,
                          ", ".join(f"{rid} {x:+.2f}" for rid, x in a.evidence[-8:]))
             if self.incidents is not None:

@@ -112,7 +112,9 @@ def test_calibration_rule():
     assert calibration.for_run(outs[:-1]) == committed()
 
 
-@pytest.mark.parametrize("folder", ["validate-full-2026-12-02", "bench-verified-2026-12-03", "bench-fleet-2026-12-05"])
+@pytest.mark.parametrize("folder", ["validate-full-2026-12-02", "bench-verified-2026-12-03", "bench-fleet-2026-12-05",
+                                    "bench-verified-2026-12-06", "bench-fleet-2026-12-06",
+                                    "bench-serve-2026-12-06-box"])
 def test_recompute_reproduces_committed_runs_without_torch_and_exits_on_their_verdict(folder):
     """Each committed run recomputes exactly at HEAD; a FAIL exits 1, an INCONCLUSIVE 3; no torch is loaded."""
     import subprocess
@@ -125,3 +127,15 @@ def test_recompute_reproduces_committed_runs_without_torch_and_exits_on_their_ve
     stored = json.loads((ROOT / "bench" / "results" / folder / "results.json").read_text())["figures"]["verdict"]
     assert "reproduced exactly" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
     assert res.returncode == {"pass": 0, "fail": 1, "inconclusive": 3}[stored]
+
+
+def test_the_committed_detection_run_recomputes_and_exits_on_its_verdict():
+    """bench/detection.py --recompute: the figures again from outcomes.jsonl, exit 1 on its FAIL."""
+    import subprocess
+    import sys
+
+    folder = ROOT / "bench" / "results" / "detection-2026-12-06"
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "detection.py"), "--recompute", str(folder)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT / "bench")
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out == {"reproduced": True, "verdict": "FAIL"} and res.returncode == 1, res.stderr[-2000:]

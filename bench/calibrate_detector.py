@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qladder.audit import AuditRecord, calibrate_drift_bound
+from qladder.audit import calibrate_drift_bound
+from qladder.benchmarks.common import AuditLog, closed_loop
 from qladder.config import Settings
 from qladder.engines import load_engine
 from qladder.environment import snapshot
@@ -54,42 +55,25 @@ COMMAND = "python bench/calibrate_detector.py  (--rejudge: the thresholds again 
 def answer_all(se: ServingEngine, prompts: list[Prompt], ids: dict[str, list[int] | None], answer: int,
                population: str) -> list[dict[str, Any]]:
     """Every prompt greedy and sampled through `se` (8 at a time), every answer audited; the scores."""
-    records: dict[str, AuditRecord] = {}
-    lock = threading.Lock()
-
-    def keep(r: AuditRecord) -> None:
-        with lock:
-            records[r.request_id] = r
-
-    se.add_audit_observer(keep)
+    audits = AuditLog(se)
     jobs = [(p, mode, k) for k, p in enumerate(prompts) if ids.get(p.id) for mode in ("greedy", "sampled")]
     meta: dict[str, tuple[Prompt, str]] = {}
-    pending = list(jobs)
+    lock = threading.Lock()
 
-    def client() -> None:
-        while True:
-            with lock:
-                if not pending:
-                    return
-                p, mode, k = pending.pop(0)
-            params = SamplingParams(max_tokens=answer) if mode == "greedy" else \
-                SamplingParams(max_tokens=answer, temperature=SAMPLED_T, seed=k)
-            req = se.request(ids[p.id] or [], params, prompt_text=str(p.prompt), prompt_class=p.cls)
-            with lock:
-                meta[req.request_id] = (p, mode)
-            se.generate_sync(req)
+    def run(job: tuple[Prompt, str, int]) -> None:
+        p, mode, k = job
+        params = SamplingParams(max_tokens=answer) if mode == "greedy" else \
+            SamplingParams(max_tokens=answer, temperature=SAMPLED_T, seed=k)
+        req = se.request(ids[p.id] or [], params, prompt_text=str(p.prompt), prompt_class=p.cls)
+        with lock:
+            meta[req.request_id] = (p, mode)
+        se.generate_sync(req)
 
-    threads = [threading.Thread(target=client) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    deadline = time.monotonic() + 900
-    while se.stats().get("audits_pending", 0) and time.monotonic() < deadline:  # the standby audits when idle
-        time.sleep(0.5)
+    closed_loop(8, jobs, run)
+    audits.drain(900, poll_s=0.5)  # the standby audits when idle
     out = []
     for rid, (p, mode) in meta.items():
-        r = records.get(rid)
+        r = audits.get(rid)
         out.append({"population": population, "prompt_id": p.id, "class": p.cls, "split": p.split, "mode": mode,
                     "tokens": r.tokens if r else 0, "excess": r.excess if r else None,
                     "agreement": r.agreement if r else None})

@@ -29,12 +29,11 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from qladder.audit import AuditRecord
+from qladder.benchmarks.common import AuditLog
 from qladder.config import Settings
 from qladder.engines import load_engine
 from qladder.environment import snapshot
@@ -52,14 +51,7 @@ TARGET_MEDIAN = 8
 
 def serve(se: ServingEngine, prompts: list[Any], limit: int, until_alarm: bool, setting: str, kind: str,
           split: str) -> list[dict[str, Any]]:
-    records: dict[str, AuditRecord] = {}
-    lock = threading.Lock()
-
-    def keep(r: AuditRecord) -> None:
-        with lock:
-            records[r.request_id] = r
-
-    se.add_audit_observer(keep)
+    audits = AuditLog(se)
     alarms: list[Any] = []
     se.alarm_observers.append(alarms.append)
     rows: list[dict[str, Any]] = []
@@ -73,11 +65,8 @@ def serve(se: ServingEngine, prompts: list[Any], limit: int, until_alarm: bool, 
         out = bool(alarms)
         req = se.request(ids, SamplingParams(max_tokens=32), prompt_text=text, prompt_class=p.cls)
         r = se.generate_sync(req)
-        deadline = time.monotonic() + 120
-        while se.stats().get("audits_pending", 0) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        with lock:
-            a = records.get(req.request_id)
+        audits.drain(120)
+        a = audits.get(req.request_id)
         rows.append({"setting": setting, "kind": kind, "split": split, "n": n, "prompt_id": p.id,
                      "rungs": sorted(set(r.token_rungs)), "tokens": len(r.token_ids),
                      "hazards": [h.check for h in r.hazards], "audited": a is not None,

@@ -66,6 +66,32 @@ class OutcomeLog:
             self.outcomes.append(o)
 
 
+class AuditLog:
+    """A serving engine's audit records by request id: its audit observer (the standby's thread),
+    read by the benchmark's threads, behind one lock."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._records: dict[str, Any] = {}
+        engine.add_audit_observer(self._keep)
+
+    def _keep(self, record: Any) -> None:
+        with self._lock:
+            self._records[record.request_id] = record
+
+    def get(self, request_id: str) -> Any:
+        """The request's AuditRecord (None: not audited, or not yet)."""
+        with self._lock:
+            return self._records.get(request_id)
+
+    def drain(self, timeout_s: float, poll_s: float = 0.02) -> None:
+        """Wait until the engine has no audit pending (the standby audits in its idle turns), or timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while self.engine.stats().get("audits_pending", 0) and time.monotonic() < deadline:
+            time.sleep(poll_s)
+
+
 def closed_loop(n_clients: int, jobs: Sequence[J], run: Callable[[J], None]) -> None:
     """`n_clients` threads, each taking the next job when its last one is done, until none is left."""
     lock = threading.Lock()

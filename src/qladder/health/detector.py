@@ -27,10 +27,13 @@ owner (one per gateway or engine) holds one `Cusum` per endpoint behind its own 
 from __future__ import annotations
 
 import enum
+import functools
+import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -72,9 +75,7 @@ class Thresholds:
         return self.h / self.evidence
 
     def to_dict(self) -> dict[str, float | int]:
-        return {"k": self.k, "h": self.h, "false_alarm": self.false_alarm, "horizon": self.horizon,
-                "quantile": self.quantile, "clean_answers": self.clean_answers, "probes": self.probes,
-                "bandwidth": self.bandwidth, "evidence": self.evidence}
+        return asdict(self)
 
 
 def bandwidth(clean: Sequence[float] | np.ndarray) -> float:
@@ -179,20 +180,21 @@ class Cusum:
 CALIBRATION = Path(__file__).with_name("detector_calibration.json")
 
 
+@functools.cache
+def _calibration() -> dict[str, Any]:
+    """detector_calibration.json, read once a process."""
+    return dict(json.loads(CALIBRATION.read_text(encoding="utf-8")))
+
+
 def committed() -> Thresholds:
     """The thresholds calibrated on the embedded model's train-half clean traffic
     (bench/calibrate_detector.py wrote detector_calibration.json beside this module)."""
-    import json
-
-    d = json.loads(CALIBRATION.read_text(encoding="utf-8"))["thresholds"]
-    return Thresholds(float(d["k"]), float(d["h"]), float(d["false_alarm"]), int(d["horizon"]), float(d["quantile"]),
-                      int(d["clean_answers"]), int(d["probes"]), float(d["bandwidth"]), int(d["evidence"]))
+    d = _calibration()["thresholds"]
+    return Thresholds(**{f.name: d[f.name] for f in fields(Thresholds)})
 
 
 def committed_drift_bound() -> float:
     """DriftWatch's bound calibrated beside the thresholds (qladder.audit.calibrate_drift_bound on
     the same clean greedy answers): a prompt class whose audited agreement falls under it is served
     verified."""
-    import json
-
-    return float(json.loads(CALIBRATION.read_text(encoding="utf-8"))["drift"]["bound"])
+    return float(_calibration()["drift"]["bound"])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from qladder.audit import AuditJob, AuditRecord, DriftWatch, calibrate_drift_bound, score, selected
+from qladder.audit import AuditJob, AuditRecord, AuditTrail, DriftWatch, calibrate_drift_bound, score, selected
 from qladder.classify import classify
 from qladder.validate.corpora import split_of
 
@@ -49,6 +49,33 @@ def test_score_reads_agreement_divergence_kl_and_gap_from_the_rows():
     assert r.excess == pytest.approx(want, rel=1e-5) and exact.excess is not None and exact.excess <= 0.0
     unlikely = score(_job([0, 0, 0], [same] * 3), rows)  # tokens fp32 gives ~e-10: far over its entropy
     assert unlikely.excess is not None and unlikely.excess > 9.0
+
+
+def test_a_remote_answers_trail_is_its_endpoints_and_scores_over_the_servers_top_k():
+    """A llama-server token's top-k (n_probs 4, nulls on a NaN row) padded to 5 with
+    zero-probability entries; the trail takes the endpoint named before its first token; an answer
+    written by two replicas (migrated mid-stream) is not audited."""
+    jobs: list[AuditJob] = []
+    t = AuditTrail("r", "qa", "pool", jobs.append)
+    t.at("http://a")
+    t.add_top(4, [(4, math.log(0.5)), (6, math.log(0.3)), (7, None), (8, math.log(0.1))])
+    t.add_top(2, [])  # a server that sent none: the token alone
+    t.done((1, 2, 3), (4, 2))
+    (job,) = jobs
+    assert job.pool == "http://a" and all(len(top) == 5 for top in job.top)
+    assert job.top[0][:3] == ((4, math.log(0.5)), (6, math.log(0.3)), (8, math.log(0.1)))
+    assert job.top[1][0] == (2, 0.0) and all(v == -math.inf for _, v in job.top[1][1:])
+    rows = torch.full((2, 10), -5.0)
+    rows[0, 4] = rows[1, 2] = 5.0
+    r = score(job, rows)
+    assert r.agreement == 1.0 and math.isfinite(r.kl_top5) and r.kl_top5 >= 0 and r.excess is not None
+    moved = AuditTrail("m", "qa", "pool", jobs.append)
+    moved.at("http://a")
+    moved.add_top(4, [(4, -0.1)])
+    moved.at("http://b")  # a stream continued at a sibling: nobody's evidence
+    moved.add_top(2, [(2, -0.1)])
+    moved.done((1, 2, 3), (4, 2))
+    assert len(jobs) == 1
 
 
 def test_drift_watch_sends_a_class_to_verified_below_its_bound_only_with_enough_answers():

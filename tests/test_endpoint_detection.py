@@ -9,12 +9,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from qladder.engines.replicas import Replicas
 from qladder.health.detector import committed
 from qladder.incidents import IncidentStore
 from qladder.model import user_prompt_ids
+from qladder.peers.llama_server import LlamaServer
 from qladder.sampling import SamplingParams
 from qladder.serving import ServingConfig, ServingEngine
 from qladder.validate.corpora import normal_prompts, split_of
@@ -108,3 +111,61 @@ def test_a_clean_pool_audited_at_the_same_rate_raises_no_alarm(model_info, tmp_p
         assert all(set(r.token_rungs) == {"int4"} or r.hazards for r in answers), [r.hazards for r in answers]
     finally:
         se.close()
+
+
+@pytest.mark.slow
+def test_a_corrupted_llama_server_replica_is_condemned_by_the_audit_and_its_sibling_answers(model_info, tmp_path):
+    """Two real llama-servers as one pool's replicas, the second on the held-out corrupted GGUF,
+    the in-process fp32 standby auditing every answer: requests two at a time (one on each
+    replica) until the audit's test decides. The corrupted replica's URL alone is ejected (an
+    incident with the evidence, its detector state), condemned in the pool (no stream goes to it,
+    whatever its /health says), its sibling serves on, and a probe of it alone is audited."""
+    bad = tmp_path / "scale-x30-rows.gguf"
+    patch_scales(model_info.path, bad, "blk.5.ffn_down.weight", rows="0-7", blocks="all", x=30.0)
+    servers = [LlamaServer(path, n_parallel=2, threads=1, n_ctx_per_slot=1024).start()
+               for path in (model_info.path, bad)]
+    clean, broken = (s.base_url for s in servers)
+    store = IncidentStore(tmp_path / "incidents.db")
+    cfg = ServingConfig(remote_url=(clean, broken), audit_rate=1.0, detector=committed(), probe_every_s=0.0)
+    se = ServingEngine(cfg, model_info, incidents=store, standby_engines=[get_engine("fp32")])
+    alarms: list = []
+    se.alarm_observers.append(alarms.append)
+    try:
+        rung = se.int4
+        assert isinstance(rung, Replicas) and se.watch is not None and se.int4_endpoints == [clean, broken]
+
+        def ask(p) -> object:
+            ids = user_prompt_ids(se.info.chat_template, str(p.prompt), rung.tokenize)
+            return se.generate_sync(se.request(ids, SamplingParams(max_tokens=32), prompt_text=str(p.prompt),
+                                               prompt_class=p.cls))
+
+        answers = []
+        for k in range(0, len(PROMPTS) - 2, 2):
+            if alarms:
+                break
+            with ThreadPoolExecutor(2) as pool:  # two at once: the least-in-flight pick sends one to each
+                answers += list(pool.map(ask, PROMPTS[k:k + 2]))
+            _until(lambda: se.stats().get("audits_pending", 0) == 0, "the audit queue to drain")
+        assert alarms, f"no alarm after {len(answers)} answers: {se.stats()}"
+        a = alarms[0]
+        assert len(alarms) == 1 and not a.returned and a.endpoint == broken and a.statistic >= a.threshold
+        st = se.stats()
+        assert st[f"detector_{broken}_state"] in (2.0, 3.0) and st[f"detector_{broken}_alarms"] == 1.0
+        assert st[f"detector_{clean}_state"] in (0.0, 1.0) and st[f"detector_{clean}_alarms"] == 0.0
+        _until(lambda: rung.healthy == [True, False], "the condemned replica out of rotation")
+        assert rung.condemned == 1
+        rows = [row for row in store.rows() if row["check_name"] == "audit"]
+        assert len(rows) == 1 and rows[0]["action"] == f"eject:{broken}" and rows[0]["rung"] == broken
+        assert [tuple(e) for e in json.loads(rows[0]["detail"])["evidence"]] == [tuple(e) for e in a.evidence]
+        # the sibling serves on (INT4's answers, not the standby's), and the condemned one is probed
+        before = se.probes
+        after = [ask(p) for p in PROMPTS[-2:]]
+        assert all(set(r.token_rungs) == {"llama-server"} or r.hazards for r in after), [r.hazards for r in after]
+        assert rung.healthy == [True, False] and se.probes > before
+        _until(lambda: float(se.watch.snapshot()[broken]["answers"]) > a.answers, "a probe's audit")
+        assert se.stats()[f"detector_{broken}_state"] in (2.0, 3.0)  # its probes are no cleaner
+    finally:
+        se.close()
+        store.close()
+        for s in servers:
+            s.stop()

@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator
 import httpx
 import pytest
 
-from qladder.engines.remote import RemoteEnd, RemoteResumed
+from qladder.engines.remote import RemoteAt, RemoteEnd, RemoteResumed
 from qladder.engines.remote_vllm import Verdict
 from qladder.engines.replicas import OUTLIER_COOLDOWN_S, OUTLIER_FAILS, Replicas
 from qladder.errors import EndpointsDownError, RemoteStreamError, RemoteTransportError
@@ -386,3 +386,42 @@ def test_a_score_that_a_replica_fails_with_its_health_up_blames_it_when_a_siblin
         assert r.healthy == [False, True] and (bad.calls, good.calls) == (OUTLIER_FAILS, OUTLIER_FAILS)
 
     asyncio.run(go())
+
+
+def test_a_replica_the_audit_condemns_gets_no_stream_whatever_its_health_says_until_absolved():
+    """condemn: out at once with no cap (its /health answers: no probe brings it back); every
+    replica condemned: the rung is down (EndpointsDownError: the pool's requests go to the
+    standby) and `alive` says so; absolve: its /health probe brings it back."""
+    a, b = FakeEndpoint("http://a"), FakeEndpoint("http://b")
+    r = replicas(a, b)
+
+    async def run() -> None:
+        r.condemn("http://a")
+        assert r.healthy == [False, True] and r.condemned == 1
+        for _ in range(3):
+            assert tokens(await collect(r, 4)) == unbroken(4)
+        await asyncio.sleep(0.1)  # ten probe periods: nothing rejoins a condemned replica
+        assert (a.streams, b.streams, r.healthy) == (0, 3, [False, True])
+        r.condemn("http://b")  # both: the rung is down, whatever their /health says
+        with pytest.raises(EndpointsDownError):
+            await collect(r, 4)
+        async with httpx.AsyncClient() as client:
+            assert not await r.alive(client)
+        r.absolve("http://a")
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if r.healthy[0]:
+                break
+        assert r.healthy == [True, False] and r.endpoint_stats()[1]["condemned"]
+        assert tokens(await collect(r, 4)) == unbroken(4) and a.streams == 1
+
+    asyncio.run(run())
+
+
+def test_each_attempt_of_a_stream_says_which_replica_writes_it():
+    """RemoteAt before each endpoint's tokens (the audit's endpoint): one for an unbroken stream,
+    a second after a migration."""
+    r = replicas(FakeEndpoint("http://a", fail_after=3, up=False), FakeEndpoint("http://b"))
+    items = asyncio.run(collect(r, 8))
+    assert [i.endpoint for i in items if isinstance(i, RemoteAt)] == ["http://a", "http://b"]
+    assert tokens(items) == unbroken(8)

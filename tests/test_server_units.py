@@ -202,7 +202,12 @@ def test_the_audit_and_its_test_are_on_by_default_where_an_in_process_standby_ca
     remote = parse_topology({"pools": [{"name": "edge", "rungs": ["llama-server"], "url": "http://a:1", "weight": 1.0,
                                         "handoff_to": "gpu"}, {"name": "gpu", "rungs": ["vllm"], "url": "http://b:2"}]})
     assert serving_config(remote, s).audit_rate == 0.0 and serving_config(remote, s).detector is None
-    with pytest.raises(ConfigError, match="audit_rate is an in-process INT4 pool's"):
+    # llama-server replicas beside an in-process standby: audited (each replica judged apart)
+    replicas = serving_config(parse_topology({"pools": [
+        {"name": "edge", "rungs": ["llama-server"], "urls": ["http://a:1", "http://a:2"], "weight": 1.0,
+         "handoff_to": "s"}, {"name": "s", "rungs": ["fp32"]}]}), s)
+    assert replicas.audit_rate == AUDIT_FLOOR and replicas.detector == committed()
+    with pytest.raises(ConfigError, match="audit_rate needs an in-process standby"):
         parse_topology({"pools": [{"name": "edge", "rungs": ["llama-server"], "url": "http://a:1", "weight": 1.0,
                                    "handoff_to": "gpu", "audit_rate": 0.1}, {"name": "gpu", "rungs": ["vllm"],
                                                                               "url": "http://b:2"}]})

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from qladder.engines.endpoint_board import EndpointBoard, EndpointNews
-from qladder.engines.replicas import NEWS_FRESH_S, OUTLIER_COOLDOWN_S, OUTLIER_FAILS, Replicas
+from qladder.engines.replicas import AUDIT_HOLD_S, NEWS_FRESH_S, OUTLIER_COOLDOWN_S, OUTLIER_FAILS, Replicas
 from qladder.server.quarantine import Quarantine, QuarantineConfig
 from qladder.server.shared_state import MemoryStateStore, StateSettings, StateSync, open_state_store
 
@@ -325,3 +325,69 @@ def test_the_stores_keep_the_newest_news_per_endpoint(redis_server):
         await check(open_state_store(StateSettings("redis", redis_server.url, f"t{time.monotonic_ns()}:")))
 
     asyncio.run(on_redis())
+
+
+def test_a_replica_the_audit_condemns_at_one_gateway_is_out_at_the_other_until_its_probes_pass(fleet):
+    """A's audit condemns http://x (its /health answers at both gateways): after a sync each, B
+    sends x nothing either and no /health probe of B's brings it back; A absolves it (its probes
+    passed): the news reaches B, whose own probe takes x back."""
+    a = fleet(["http://x", "http://y"])
+    b = fleet(["http://x", "http://y"])
+
+    async def run() -> None:
+        a.replicas.condemn("http://x")
+        await a.synced()
+        await b.synced()
+        for _ in range(3):
+            assert tokens(await collect(b.replicas, 6)) == unbroken(6)
+        await asyncio.sleep(0.1)  # ten probe periods of B's, x's /health says 200
+        assert (b.ends[0].streams, b.replicas.healthy, b.replicas.heard, b.replicas.condemned) == \
+            (0, [False, True], 1, 1)
+        a.replicas.absolve("http://x")
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if a.replicas.healthy[0]:
+                break
+        assert a.replicas.healthy == [True, True]
+        await a.synced()
+        await b.synced()
+        await collect(b.replicas, 2)  # (its next pick hears the news)
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if b.replicas.healthy[0]:
+                break
+        assert b.replicas.healthy == [True, True]
+
+    asyncio.run(run())
+
+
+def test_a_peers_condemnation_holds_no_longer_than_audit_hold_s():
+    """Heard, a condemnation lasts AUDIT_HOLD_S from its news's time (its gateway gone, nobody
+    would lift it): then this gateway's /health probe brings the replica back, and its own audit
+    would find it again."""
+    clock = Clock()
+
+    async def run() -> None:
+        r, ends = replicas_told([EndpointNews("http://x", True, clock.t - 1, 0.0, audit=True)], clock)
+        await collect(r, 4)
+        assert (r.healthy, ends[0].streams, r.condemned) == ([False, True], 0, 1)
+        await asyncio.sleep(0.05)
+        assert r.healthy == [False, True]
+        clock.t += AUDIT_HOLD_S
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if r.healthy[0]:
+                break
+        assert r.healthy == [True, True]
+        old, _ = replicas_told([EndpointNews("http://x", True, clock.t - AUDIT_HOLD_S - 1, 0.0, audit=True)], clock)
+        await collect(old, 4)
+        assert old.healthy == [True, True]  # too old to act on
+
+    asyncio.run(run())
+
+
+def test_audit_news_round_trips_and_older_records_read_as_not_audit():
+    n = EndpointNews("http://x", True, 5.0, 0.0, audit=True)
+    assert EndpointNews.decode(n.encode()) == n
+    assert EndpointNews.decode(json.dumps({"url": "http://x", "down": True, "at": 5.0, "cooldown_s": 0.0})) == \
+        EndpointNews("http://x", True, 5.0)

@@ -28,6 +28,7 @@ for a router that sends a class whose agreement falls below a bound to verified 
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 import time
 from collections import deque
@@ -92,16 +93,34 @@ class AuditTrail:
                  greedy: bool = True):
         self.request_id, self.prompt_class, self.pool, self.sink = request_id, prompt_class, pool, sink
         self.greedy = greedy
+        self.mixed = False
         self.top: list[tuple[tuple[int, float], ...]] = []
 
     def add(self, row: torch.Tensor) -> None:
         """A row INT4 gave and the machine accepted a token from (called before the token joins)."""
         self.top.append(top_k(row))
 
+    def add_top(self, token_id: int, top: Sequence[tuple[int, float | None]]) -> None:
+        """A remote INT4 token the pool accepted, with the top-k its server streamed (llama-server:
+        n_probs of them): the finite ones, padded to TOP_K with zero-probability entries (the KL
+        estimate is then over the server's top-k; the endpoint test reads `excess`, fp32's alone)."""
+        kept = [(int(t), float(v)) for t, v in top[:TOP_K] if v is not None and math.isfinite(v)] or [(token_id, 0.0)]
+        self.top.append((*kept, *[(kept[0][0], -math.inf)] * (TOP_K - len(kept))))
+
+    def at(self, endpoint: str) -> None:
+        """Which endpoint writes the tokens that follow (a pool of replicas says, before each
+        one's first token): the answer is that endpoint's; an answer written by two (a stream
+        continued at a sibling) is nobody's evidence and is not audited."""
+        if not self.top:
+            self.pool = endpoint
+        elif endpoint != self.pool:
+            self.mixed = True
+
     def done(self, prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> None:
-        """The answer ended: hand its INT4-written part to the sink (nothing to audit: nothing sent)."""
+        """The answer ended: hand its INT4-written part to the sink (nothing to audit: nothing
+        sent, or written by two endpoints)."""
         n = min(len(self.top), len(answer_ids))
-        if n:
+        if n and not self.mixed:
             self.sink(AuditJob(self.request_id, self.prompt_class, self.pool, tuple(prompt_ids),
                                tuple(answer_ids[:n]), tuple(self.top[:n]), self.greedy))
 

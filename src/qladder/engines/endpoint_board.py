@@ -5,8 +5,9 @@
     StateSync(..., endpoints=board)                            carries them to and from the store
 
 Each piece of news is one endpoint's latest event at one gateway: down (ejected: its server
-failed with its /health failing too, or an outlier, with what was left of its cooldown) or up (it
-rejoined), at a wall-clock time. The store keeps the newest per endpoint URL (last writer by time
+failed with its /health failing too, or an outlier, with what was left of its cooldown, or the
+audit's test found its answers broken: `audit`) or up (it rejoined; `audit`: its audited probes
+passed), at a wall-clock time. The store keeps the newest per endpoint URL (last writer by time
 wins: a later "up" from any gateway replaces a "down" that a gateway with no traffic meanwhile has
 not acted on yet, and gateways' clocks must agree, as for the shared breakers). Each gateway's
 replicas apply what they hear that is newer than what they knew, at their next pick (replicas.py,
@@ -37,6 +38,7 @@ class EndpointNews:
     down: bool
     at: float  # wall-clock time (time.time) of the event at the gateway that saw it
     cooldown_s: float = 0.0  # down as an outlier: its cooldown left at `at` (0: a plain outage)
+    audit: bool = False  # the audit's test decided (down: broken weights, not an outage; up: its probes passed)
 
     def encode(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -46,7 +48,8 @@ class EndpointNews:
         """None: not a piece of news this version reads (another version's, or damaged)."""
         try:
             d = json.loads(raw)
-            n = EndpointNews(str(d["url"]), bool(d["down"]), float(d["at"]), float(d["cooldown_s"]))
+            n = EndpointNews(str(d["url"]), bool(d["down"]), float(d["at"]), float(d["cooldown_s"]),
+                             bool(d.get("audit", False)))
         except (ValueError, TypeError, KeyError):
             return None
         ok = math.isfinite(n.at) and math.isfinite(n.cooldown_s) and n.cooldown_s >= 0

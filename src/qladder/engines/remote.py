@@ -55,7 +55,15 @@ class RemoteResumed:
     comes after the sibling's prefill of the context, a first token's wait, not a step's."""
 
 
-RemoteItem = RemoteToken | RemoteEnd | RemoteResumed
+@dataclass(frozen=True)
+class RemoteAt:
+    """A pool of replicas says which endpoint (its URL) writes the tokens that follow: before each
+    attempt's first token (the audit scores each replica's answers as its own)."""
+
+    endpoint: str
+
+
+RemoteItem = RemoteToken | RemoteEnd | RemoteResumed | RemoteAt
 
 
 class RemoteRung(Protocol):

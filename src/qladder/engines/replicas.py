@@ -49,6 +49,13 @@ at-most-half cap), a plain outage's only while fresh (NEWS_FRESH_S), and never t
 replica (a peer cut off from the servers does not empty every gateway's pool). This gateway's
 own probe brings it back (for a plain outage, asking at once).
 
+The audit's test (serving/endpoint_watch.py) may condemn an endpoint: its answers were scored
+broken, whatever its `/health` says. `condemn(url)` takes it out of rotation with no cap (a
+test's decision on many answers, not one failed call; with every replica condemned the pool is
+down and its requests go to the standby) until `absolve(url)` (its audited probes passed), and
+posts it (`audit`): a peer condemns it too, for AUDIT_HOLD_S at most, and any later news of it
+coming back (a rejoin anywhere happens only after an absolution) lifts that.
+
 Owned by the remote pool's loop thread: `stream`, the counters and the probes run only there
 (the engine's `stats` reads the counters for metrics, as it reads the pool's).
 """
@@ -66,7 +73,7 @@ from typing import TypeVar
 import httpx
 
 from qladder.engines.endpoint_board import NEWS_SKEW_S, EndpointBoard, EndpointNews
-from qladder.engines.remote import RemoteEnd, RemoteItem, RemoteResumed
+from qladder.engines.remote import RemoteAt, RemoteEnd, RemoteItem, RemoteResumed
 from qladder.engines.remote_llama import LlamaServerRung
 from qladder.engines.remote_vllm import Verdict, VllmRung
 from qladder.errors import ConfigError, EndpointsDownError, RemoteStreamError, RemoteTransportError
@@ -78,6 +85,7 @@ OUTLIER_FAILS = 3  # calls failed in a row, /health up, each answered by a sibli
 OUTLIER_COOLDOWN_S = 10.0  # for this long before its /health may bring it back; doubled each time it is
 OUTLIER_COOLDOWN_MAX_S = 120.0  # ejected again before it answers a call, up to this
 NEWS_FRESH_S = 10.0  # a peer's ejection (not an outlier's cooldown) older than this is not acted on
+AUDIT_HOLD_S = 600.0  # a peer's audit ejection holds here this long unless news of its return comes first
 T = TypeVar("T")
 
 
@@ -109,6 +117,7 @@ class Replicas:
         self.ejections = 0  # endpoints taken out of rotation (each until its /health answers)
         self.rejoins = 0
         self.heard = 0  # ejections on a peer gateway's word (counted in `ejections` too)
+        self.condemned = 0  # endpoints condemned by the audit (here or, heard, by a peer)
         self._rng = rng or random.Random(0)
         self._probes: dict[int, asyncio.Future[None]] = {}
         self.clock = clock
@@ -117,6 +126,7 @@ class Replicas:
         self._times_out = [0] * n  # outlier ejections since it last answered a call
         self._out_until = [0.0] * n  # no rejoin before (an outlier's cooldown)
         self._outlier = [False] * n  # out as an outlier (not as down), until it rejoins
+        self._condemned_until = [0.0] * n  # condemned by the audit until then (inf: until absolved here)
         self.max_suspects = n // 2 + 1  # replicas that may fail one call, /health up, and it still goes on
         self.board, self.wall = board, wall
         self._index = {e.base_url: k for k, e in enumerate(endpoints)}
@@ -143,8 +153,39 @@ class Replicas:
         return self.endpoints[0].tokenize_bytes(data)
 
     def endpoint_stats(self) -> list[dict[str, object]]:
-        return [{"url": e.base_url, "healthy": self.healthy[k], "in_flight": self.inflight[k]}
-                for k, e in enumerate(self.endpoints)]
+        return [{"url": e.base_url, "healthy": self.healthy[k], "in_flight": self.inflight[k],
+                 "condemned": self._condemned(k)} for k, e in enumerate(self.endpoints)]
+
+    def endpoint(self, url: str) -> LlamaServerRung | VllmRung:
+        """The replica at `url` (a probe goes to it alone)."""
+        return self.endpoints[self._index[url]]
+
+    # -- the audit's decisions -----------------------------------------------------------------------
+    def _condemned(self, k: int) -> bool:
+        return self.clock() < self._condemned_until[k]
+
+    def condemn(self, url: str, post: bool = True, hold_s: float = math.inf) -> None:
+        """The audit's test found the answers of the replica at `url` broken: out of rotation until
+        `absolve` (or `hold_s`: a peer's word), whatever its /health says, with no cap. post: tell
+        the peer gateways (not for news heard from them)."""
+        k = self._index.get(url)
+        if k is None:
+            return
+        self._condemned_until[k] = max(self._condemned_until[k], self.clock() + hold_s)
+        self.condemned += 1
+        if post:
+            self._post(k, down=True, audit=True)
+        self.eject(k, post=False)  # out, and probed: its /health brings it back once absolved (or the hold ends)
+
+    def absolve(self, url: str, post: bool = True) -> None:
+        """Its audited probes passed: no longer condemned; its /health brings it back, asked at once."""
+        k = self._index.get(url)
+        if k is None or self._condemned_until[k] == 0.0:
+            return
+        self._condemned_until[k] = 0.0
+        if post:
+            self._post(k, down=False, audit=True)
+        self.eject(k, post=False, ask_now=True)  # (out already: this starts its /health probe)
 
     # -- choosing an endpoint ------------------------------------------------------------------------
     def pick(self, exclude: Sequence[int] = ()) -> int | None:
@@ -178,13 +219,13 @@ class Replicas:
             self._post(k, down=False)
         self._outlier[k], self._out_until[k] = False, 0.0
 
-    def _post(self, k: int, down: bool) -> None:
+    def _post(self, k: int, down: bool, audit: bool = False) -> None:
         if self.board is None:
             return
         at = self._posted_at[k] = max(self.wall(), math.nextafter(self._posted_at[k], math.inf))  # (each newer)
         self._known_at[k] = max(self._known_at[k], at)
         left = max(0.0, self._out_until[k] - self.clock()) if down and self._outlier[k] else 0.0
-        self.board.post(EndpointNews(self.endpoints[k].base_url, down, at, left))
+        self.board.post(EndpointNews(self.endpoints[k].base_url, down, at, left, audit))
 
     def _listen(self) -> None:
         """Apply what peer gateways posted since the last look. An ejection newer than what this
@@ -202,6 +243,15 @@ class Replicas:
                 continue
             self._known_at[k] = n.at  # (news skipped below, by the caps, is not applied later either)
             age = max(0.0, self.wall() - n.at)
+            if n.audit and n.down:  # a peer's audit condemned it: here too, for AUDIT_HOLD_S at most
+                if age < AUDIT_HOLD_S:
+                    self.heard += self.healthy[k]
+                    self.condemn(n.url, post=False, hold_s=AUDIT_HOLD_S - age)
+                continue
+            if not n.down and self._condemned(k) and self._condemned_until[k] != math.inf:
+                self._condemned_until[k] = 0.0  # back somewhere after a peer's condemnation: probed here
+                self.eject(k, post=False, ask_now=True)
+                continue
             left = min(n.cooldown_s, OUTLIER_COOLDOWN_MAX_S) - age
             if not n.down or (left <= 0 and (age > NEWS_FRESH_S or not self.healthy[k])):
                 continue  # (an old outage: a gateway that joins later finds it out on its own)
@@ -216,8 +266,9 @@ class Replicas:
                 self.eject(k, post=False, ask_now=left <= 0)
 
     def _may_rejoin(self, k: int) -> bool:
-        """An outlier's cooldown is over, or no replica is left (better a suspect than none)."""
-        return self.clock() >= self._out_until[k] or not any(self.healthy)
+        """Not condemned, and an outlier's cooldown is over or no replica is left (better a suspect
+        than none; never one the audit condemned: the standby answers then)."""
+        return not self._condemned(k) and (self.clock() >= self._out_until[k] or not any(self.healthy))
 
     async def _probe(self, k: int, ask_now: bool = False) -> None:
         async with httpx.AsyncClient() as client:
@@ -304,6 +355,7 @@ class Replicas:
             self.inflight[k] += 1
             tokens = 0  # from k, not yet counted as served
             try:
+                yield RemoteAt(self.endpoints[k].base_url)  # (whose tokens follow: the audit's endpoint)
                 stream = self.endpoints[k].stream(client, ids + answered, params,
                                                  max(1, n_remaining - len(answered)))
                 async with contextlib.aclosing(stream) as items:

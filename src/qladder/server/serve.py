@@ -143,7 +143,7 @@ def assemble(client: EngineClient, info: ModelInfo, vocab: LlamaVocab, t: Topolo
     client.add_audit_observer(metrics.observe_audit)
     if isinstance(client, ServingEngine) and client.watch is not None:
         client.alarm_observers.append(metrics.on_alarm)
-        metrics.watch_detector(client.stats, [client.int4.name])
+        metrics.watch_detector(client.stats, client.int4_endpoints)
     metrics.watch_pools(client.stats, {"int4": t.int4.name, **({"standby": standby.name} if standby else {})})
     metrics.watch_breakers(breakers)
     metrics.watch_quarantine(quarantine)

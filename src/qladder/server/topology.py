@@ -28,13 +28,15 @@
     handoff_to = "standby"         # the pool that catches this pool's handoffs
     audit_rate = 0.05              # the audit: this share of INT4 answers scored teacher-forced by the
                                    # standby's first rung, off the request path when it has nothing else
-                                   # to do (default: 0.05 for an in-process pool beside an in-process
-                                   # standby, 0 otherwise); scores by class in /metrics
+                                   # to do (default: 0.05 beside an in-process standby, each
+                                   # llama-server replica judged apart; 0 with a vLLM standby);
+                                   # scores by class in /metrics
     audit_spare_rate = 0.5         # the share audited instead while the pool has spare capacity (under
                                    # half its slots busy, nobody waiting): a quiet box audits more
     detect = true                  # the audit's test (health/detector.py, a CUSUM with committed
-                                   # thresholds) ejects a pool whose answers full precision finds unlikely:
-                                   # its requests then go to the standby until audited probes pass
+                                   # thresholds) ejects a pool (a replica) whose answers full precision
+                                   # finds unlikely: its requests then go to the standby (its siblings)
+                                   # until audited probes pass
     precision = "fast"             # "fast": INT4's answers, guarded; "verified": INT4 drafts and the
                                    # standby's first rung decides every token (its answers, verified
                                    # decoding; over llama-server and vLLM greedy requests draft, sampled
@@ -112,8 +114,8 @@ INT4_RUNGS = ("int4", "llama-server")  # in-process, or a remote llama.cpp serve
 FULL_RUNGS = ("fp32", "bf16", "w4a16", "vllm")  # in-process torch, or a remote vLLM server (`url`)
 REMOTE_RUNGS = ("llama-server", "vllm")
 PRECISIONS = ("fast", "verified")
-# The audit's floor: the share of an in-process INT4 pool's answers scored by an in-process
-# standby when the pool does not set audit_rate (its cost is measured by bench serve --box and
+# The audit's floor: the share of an INT4 pool's answers (in-process, or llama-server replicas)
+# scored by an in-process standby when the pool does not set audit_rate (its cost is measured by bench serve --box and
 # bench verified's int4-audit configuration; detection takes about 1 / AUDIT_FLOOR answers to the
 # first audited one, then every answer is audited until the test decides)
 AUDIT_FLOOR = 0.05
@@ -139,11 +141,10 @@ class PoolConfig:
 
     def audit_share(self, standby: PoolConfig | None) -> float:
         """The share of this pool's answers audited: its audit_rate, or the floor where an
-        in-process standby can score an in-process pool's answers."""
+        in-process standby can score its answers (in-process INT4, or llama-server replicas)."""
         if self.audit_rate is not None:
             return self.audit_rate
-        local = self.kind == "int4" and self.endpoints is None and standby is not None and standby.endpoints is None
-        return AUDIT_FLOOR if local else 0.0
+        return AUDIT_FLOOR if self.kind == "int4" and standby is not None and standby.endpoints is None else 0.0
 
     @property
     def kind(self) -> str:
@@ -419,8 +420,12 @@ def _check_pools(pools: tuple[PoolConfig, ...], errors: list[str]) -> None:
             pass
         elif not 0.0 <= p.audit_rate <= 1.0:
             errors.append(f"{where}: audit_rate must be in [0, 1], got {p.audit_rate}")
-        elif p.audit_rate > 0 and (p.kind != "int4" or remote):
-            errors.append(f"{where}: audit_rate is an in-process INT4 pool's (its answers are re-scored)")
+        elif p.audit_rate > 0 and p.kind != "int4":
+            errors.append(f"{where}: audit_rate is an INT4 pool's (its answers are re-scored)")
+        elif p.audit_rate > 0 and not any((q.name == p.handoff_to if p.handoff_to else q.kind == "standby")
+                                          and q.rungs and q.rungs[0] not in REMOTE_RUNGS for q in pools):
+            errors.append(f"{where}: audit_rate needs an in-process standby to hand off to (its first rung "
+                          "scores the answers)")
         if p.precision not in PRECISIONS:
             errors.append(f"{where}: precision must be one of {', '.join(PRECISIONS)}, got {p.precision!r}")
         elif p.precision == "verified" and p.kind != "int4":

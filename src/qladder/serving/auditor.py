@@ -34,6 +34,7 @@ class Auditor:
         self._session: BatchedTorchSession | None = None
         self._feed: list[int] = []
         self._rows: list[torch.Tensor] = []
+        self._delivering = False  # a scored job's record not yet with its observers (still pending)
 
     # -- any thread ------------------------------------------------------------------------------
     def offer(self, job: AuditJob) -> None:
@@ -53,7 +54,7 @@ class Auditor:
     @property
     def pending(self) -> int:
         with self._lock:
-            return len(self._jobs) + (self._job is not None)
+            return len(self._jobs) + (self._job is not None or self._delivering)
 
     # -- the standby's thread --------------------------------------------------------------------
     def step(self) -> bool:
@@ -76,10 +77,14 @@ class Auditor:
             return True
         if not self._feed:
             rows = torch.cat(self._rows)
-            self._end()  # first: a bug in scoring must not leave the job current forever
-            record = score(job, rows)
-            self.done += 1
-            self.on_record(record)
+            self._delivering = True  # (pending until its observers have the record)
+            try:
+                self._end()  # first: a bug in scoring must not leave the job current forever
+                record = score(job, rows)
+                self.done += 1
+                self.on_record(record)
+            finally:
+                self._delivering = False
         return True
 
     def _start(self) -> bool:

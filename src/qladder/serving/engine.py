@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import queue
@@ -54,6 +55,7 @@ from qladder.serving.drafts import should_draft
 from qladder.serving.endpoint_watch import Alarm, EndpointWatch
 from qladder.serving.handoffs import Handoffs
 from qladder.serving.remote import RemoteConfig, RemotePool
+from qladder.serving.remote_probe import probe_answer
 from qladder.serving.scheduler import Int4Scheduler, SchedulerConfig
 from qladder.serving.standby import StandbyPool
 from qladder.types import Event, FinalEvent, GenerationResult, Hazard
@@ -213,10 +215,10 @@ class ServingEngine:
             if remote else None
         self.handoffs.pools.update({j: self.standby for j in local if self.standby is not None})
         self.handoffs.pools.update({j: self.remote for j in remote if self.remote is not None})
-        # the endpoint detector: in-process INT4 audited by the in-process standby's first rung
+        # the endpoint detector: INT4's endpoints (the in-process pool, or each llama-server replica)
+        # audited by the in-process standby's first rung
         self.watch: EndpointWatch | None = None
-        if c.detector is not None and self.standby is not None and self.standby.auditor is not None \
-                and isinstance(self.int4, BatchedLlamaCpp):
+        if c.detector is not None and self.audits:
             self.watch = EndpointWatch(c.detector, c.probe_every_s)
             self.watch.observers.append(self._alarm)
             self.audit_observers.append(self.watch.record)
@@ -287,15 +289,34 @@ class ServingEngine:
         if not int4.has_native:
             raise ConfigError(f"gain faults need the native helpers ({int4.native_error})")
 
+    @property
+    def audits(self) -> bool:
+        """Whether INT4's answers can be audited here: an in-process standby's first rung scores
+        them (the INT4 pool in-process, or llama-server replicas)."""
+        return self.standby is not None and self.standby.auditor is not None and 1 in self.standby.engines
+
+    @property
+    def int4_endpoints(self) -> list[str]:
+        """The endpoints the audit judges separately: the in-process pool (by its rung's name), or
+        each llama-server replica (by its URL)."""
+        if isinstance(self.int4, Replicas):
+            return [e.base_url for e in self.int4.endpoints]
+        return [self.int4.base_url if isinstance(self.int4, LlamaServerRung) else self.int4.name]
+
     def _submit(self, r: Request, emit: Callable[[Event], None]) -> None:
         self._check(r)
-        if self.watch is not None and r.start_rung == 0 and self.watch.ejected(self.int4.name):
-            # the audit's test found this INT4 pool broken: the standby's answer (full precision from
-            # the first token; a broken pool does not draft either), and at most every probe_every_s
-            # an unshown INT4 answer to the same prompt, audited, as the probe that can bring it back
-            if self.watch.probe_due(self.int4.name):
-                self._probe(r)
-            r = replace(r, start_rung=1)
+        if self.watch is not None and r.start_rung == 0:
+            # Endpoints the audit's test found broken: a replica is condemned (its siblings answer;
+            # serving/engine.py `_alarm`); a broken in-process pool, or every replica broken: the
+            # standby's answer (full precision from the first token; a broken pool does not draft
+            # either). At most every probe_every_s an unshown INT4 answer of each to this prompt,
+            # audited, is the probe that can bring it back.
+            out = [e for e in self.int4_endpoints if self.watch.ejected(e)]
+            for e in out:
+                if self.watch.probe_due(e):
+                    self._probe(r, e)
+            if out and len(out) == len(self.int4_endpoints):
+                r = replace(r, start_rung=1)
         if r.start_rung == 0 and len(self.rungs) > 1 and not self.scheduler.healthy:
             r = replace(r, start_rung=1)  # the INT4 pool is unhealthy (a stall, no probe through yet)
         self.aborts.start(r.request_id)
@@ -325,11 +346,20 @@ class ServingEngine:
             self._drafted(r.request_id)
             raise
 
-    def _probe(self, r: Request) -> None:
-        """An INT4 answer to `r`'s prompt that nobody is shown, audited (the machine audits every
-        answer of a pool under test): the ejected pool's probe."""
+    def _probe(self, r: Request, endpoint: str) -> None:
+        """An INT4 answer of `endpoint` to `r`'s prompt that nobody is shown, audited: the ejected
+        endpoint's probe (in-process: a machine on the pool; a replica: asked of it alone,
+        serving/remote_probe.py)."""
         probe = Request(f"probe-{uuid.uuid4().hex[:12]}", r.prompt_ids, SamplingParams(max_tokens=min(
             r.params.max_tokens, 64)), prompt_text=r.prompt_text, prompt_class=r.prompt_class)
+        if not isinstance(self.int4, BatchedLlamaCpp):
+            assert self.remote is not None and self.standby is not None
+            rung = self.int4.endpoint(endpoint) if isinstance(self.int4, Replicas) else self.int4
+            trail = AuditTrail(probe.request_id, r.prompt_class or classify(r.prompt_text), endpoint,
+                               self.standby.audit)
+            self.remote.spawn(functools.partial(probe_answer, rung, probe, trail))
+            self.probes += 1
+            return
         self.aborts.start(probe.request_id)
 
         def ended(ev: Event) -> None:
@@ -337,7 +367,7 @@ class ServingEngine:
                 self.aborts.end(probe.request_id)
 
         try:
-            self.scheduler.submit(self._machine(probe, ended))
+            self.scheduler.submit(self._machine(probe, ended, probe=True))
         except QueueFullError:  # no room: the next request's probe
             self.aborts.end(probe.request_id)
             return
@@ -351,8 +381,10 @@ class ServingEngine:
                          a.endpoint, self.watch.t.probes if self.watch else 0, a.answers)
         else:
             _log.warning("endpoint %s ejected: the audit's CUSUM reached %.2f (bound %.2f) after %d audited "
-                         "answers; its requests go to the standby until probes pass; evidence %s",
+                         "answers; its requests go to %s until probes pass; evidence %s",
                          a.endpoint, a.statistic, a.threshold, a.answers,
+                         "its healthy siblings (none left: the standby)" if isinstance(self.int4, Replicas)
+                         else "the standby",
                          ", ".join(f"{rid} {x:+.2f}" for rid, x in a.evidence[-8:]))
             if self.incidents is not None:
                 detail = json.dumps({"evidence": [[rid, x] for rid, x in a.evidence], "answers": a.answers})
@@ -362,6 +394,8 @@ class ServingEngine:
                     self.incidents(Incident(rid, "", [], None, hazard, f"eject:{a.endpoint}", None, [], a.ts))
                 except Exception:  # a failing store must not stop the audits
                     _log.exception("the incident of endpoint %s's ejection was not recorded", a.endpoint)
+        if isinstance(self.int4, Replicas) and self.remote is not None:  # (the replicas are the loop's)
+            self.remote.call_soon(self.int4.absolve if a.returned else self.int4.condemn, a.endpoint)
         for observe in tuple(self.alarm_observers):
             try:
                 observe(a)
@@ -410,17 +444,20 @@ class ServingEngine:
         with self._drafting_lock:
             self._drafting.discard(request_id)
 
-    def _machine(self, r: Request, emit: Callable[[Event], None]) -> RequestMachine:
+    def _machine(self, r: Request, emit: Callable[[Event], None], probe: bool = False) -> RequestMachine:
         ladder = r.ladder or self.config.ladder
         guard = self._guards.get(ladder.guard)
         if guard is None:  # one StepGuard per guard config, made on the submitting thread
             guard = self._guards.setdefault(ladder.guard, StepGuard(ladder.guard, self.info.identity))
         audit = None
-        under_test = self.watch is not None and self.watch.audit_all(self.int4.name)  # suspect, or probing
-        if (self.standby is not None and self.standby.auditor is not None and r.start_rung == 0 and not r.verified
-                and isinstance(self.int4, BatchedLlamaCpp)
+        # an endpoint in rotation is suspect (replicas: any of them; which one answers is known at
+        # its first token), or this is an ejected one's probe
+        w = self.watch
+        under_test = probe or (w is not None and any(w.audit_all(e) and not w.ejected(e) for e in self.int4_endpoints))
+        if (self.audits and r.start_rung == 0 and not r.verified
                 and (under_test or selected(r.request_id, self._audit_share()))):
-            audit = AuditTrail(r.request_id, r.prompt_class or classify(r.prompt_text), self.int4.name,
+            assert self.standby is not None
+            audit = AuditTrail(r.request_id, r.prompt_class or classify(r.prompt_text), self.int4_endpoints[0],
                                self.standby.audit, greedy=r.params.greedy)
         return RequestMachine(r, self.rungs, self.n_ctx, self.int4.eos_ids, self.int4.detokenize_bytes,
                               ladder, guard, self.incidents, emit, self.clock, audit)
@@ -537,8 +574,9 @@ class ServingEngine:
             return {}
         codes = {"watched": 0.0, "suspect": 1.0, "ejected": 2.0, "probing": 3.0}
         out: dict[str, float] = {"probes": float(self.probes)}
-        seen: dict[str, dict[str, float | str]] = {self.int4.name: {"state": "watched", "statistic": 0.0,
-                                                                    "alarms": 0.0}, **self.watch.snapshot()}
+        seen: dict[str, dict[str, float | str]] = {
+            **{e: {"state": "watched", "statistic": 0.0, "alarms": 0.0} for e in self.int4_endpoints},
+            **self.watch.snapshot()}
         for name, v in seen.items():
             out.update({f"detector_{name}_state": codes[str(v["state"])],
                         f"detector_{name}_statistic": float(v["statistic"]),
@@ -553,7 +591,7 @@ class ServingEngine:
             if isinstance(rung, Replicas):
                 out.update({f"{kind}_endpoints": len(rung.endpoints), f"{kind}_endpoints_healthy": sum(rung.healthy),
                             f"{kind}_migrations": rung.migrations, f"{kind}_ejections": rung.ejections,
-                            f"{kind}_heard": rung.heard,
+                            f"{kind}_heard": rung.heard, f"{kind}_condemned": rung.condemned,
                             f"{kind}_rejoins": rung.rejoins})
         return out
 

@@ -33,14 +33,14 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 
 import httpx
 
 from qladder import fault_seam
 from qladder.actions import Confirm, Done, Drafted, Leave, Move, MoveTo, Verify
-from qladder.engines.remote import RemoteEnd, RemoteResumed, RemoteRung, next_item
+from qladder.engines.remote import RemoteAt, RemoteEnd, RemoteResumed, RemoteRung, next_item
 from qladder.errors import (
     ConfigError,
     EndpointsDownError,
@@ -164,6 +164,22 @@ class RemotePool:
 
     def wake(self) -> None:
         """Aborts are seen at the request's next token; nothing to wake."""
+
+    def call_soon(self, fn: Callable[..., object], *args: object) -> None:
+        """Run `fn(*args)` on the loop's thread (what a rung owns is changed there only)."""
+        self._loop.call_soon_threadsafe(fn, *args)
+
+    def spawn(self, work: Callable[[httpx.AsyncClient], Coroutine[object, object, None]]) -> None:
+        """Run `work(client)` on the loop, beside the requests (an ejected replica's probe); a bug
+        in it is kept, as a request's."""
+        async def run() -> None:
+            try:
+                await work(self.client)
+            except Exception as exc:  # (a bug: close() reports it)
+                self.bugs.append(exc)
+                _log.exception("background work on the remote pool failed")
+
+        asyncio.run_coroutine_threadsafe(run(), self._loop)
 
     def close(self) -> None:
         async def stop() -> None:
@@ -303,6 +319,10 @@ class RemotePool:
                                       detail=f"{rung.name} sent no token within {limit:.1f} s{owed}")
                     except StopAsyncIteration:
                         raise RemoteStreamError(f"{rung.name}'s stream ended without an end") from None
+                    if isinstance(item, RemoteAt):  # which replica writes what follows (the audit's endpoint)
+                        if j == 0 and m.audit is not None:
+                            m.audit.at(item.endpoint)
+                        continue
                     if isinstance(item, RemoteResumed):  # a replica died: its sibling prefills the context
                         m.rec.migrated()
                         prompt.resent(len(m.context))
@@ -336,6 +356,8 @@ class RemotePool:
                     if visit.ended():  # what the visit released completed a stop string
                         return None
                     lp = _logprob(item, m.params.logprobs) if m.params.logprobs is not None else None
+                    if j == 0 and m.audit is not None:  # an audited answer: the server's top-k here
+                        m.audit.add_top(t, item.top)
                     action = m.accept_token(t, lp)
                     if isinstance(action, Done):  # a stop string in what was released (before any held window)
                         return None

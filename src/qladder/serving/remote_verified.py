@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from qladder.actions import Continue, Done, Move, MoveTo
-from qladder.engines.remote import RemoteEnd, RemoteResumed, next_item
+from qladder.engines.remote import RemoteAt, RemoteEnd, RemoteResumed, next_item
 from qladder.engines.remote_vllm import VllmRung
 from qladder.engines.replicas import Replicas
 from qladder.errors import RemoteStreamError, StreamSilentError, server_down
@@ -134,6 +134,8 @@ async def _draft(pool: RemotePool, m: RequestMachine, n: int, new: int) -> tuple
                                           detail=f"{rung.name}'s stream ended without an end")
                 if isinstance(item, RemoteEnd):
                     return drafts, None
+                if isinstance(item, RemoteAt):  # (which replica drafts: a verified answer is not audited)
+                    continue
                 if isinstance(item, RemoteResumed):  # a replica died mid-draft: its sibling goes on, after
                     m.rec.migrated()  # its queue and prefill, waited for as a first token's
                     prompt.resent(len(m.context) + len(drafts))

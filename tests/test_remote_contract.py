@@ -58,7 +58,8 @@ def _stream(rung, ids: list[int], n: int, params: SamplingParams = GREEDY) -> tu
             async for item in rung.stream(client, ids, params, n):
                 if isinstance(item, RemoteEnd):
                     return toks, item
-                toks.append(item)
+                if isinstance(item, RemoteToken):  # (a pool of replicas also names its endpoint: RemoteAt)
+                    toks.append(item)
         raise AssertionError("the stream ended without a RemoteEnd")
 
     return asyncio.run(run())

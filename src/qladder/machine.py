@@ -70,7 +70,7 @@ DRIVER_VIEW = frozenset({
     "request_id", "req", "params", "config", "guard", "rungs", "rung", "prompt", "context", "accepted",
     "step", "unchecked", "left_at", "rec", "done", "eos_ids", "n_ctx", "audit", "released",
     # call
-    "on_hazard", "on_verify", "moved", "finish", "accept_token", "hold", "decided_by",
+    "on_hazard", "on_verify", "moved", "finish", "accept_token", "hold", "decided_by", "served_by",
 })
 
 
@@ -133,8 +133,19 @@ class RequestMachine:
             if self.stream.stopped_at is not None:  # what it released completed a stop string
                 self.finish(FinishReason.STOP)
 
-    def accept_token(self, token: int, lp: TokenLogprob | None = None) -> Action:
-        """Accept a healthy token (a row's, or one a remote rung sampled: no row here)."""
+    def served_by(self, endpoint: str) -> None:
+        """A pool of replicas names the endpoint whose rung-0 tokens follow (the answer's record,
+        and an audited answer's endpoint)."""
+        self.rec.served_by(endpoint)
+        if self.audit is not None:
+            self.audit.at(endpoint)
+
+    def accept_token(self, token: int, lp: TokenLogprob | None = None,
+                     top: Sequence[tuple[int, float | None]] | None = None) -> Action:
+        """Accept a healthy token (a row's, or one a remote rung sampled: no row here; `top`: the
+        top-k its server streamed, which an audited answer's trail keeps on rung 0)."""
+        if top is not None and self.audit is not None and self.rung == 0:
+            self.audit.add_top(token, top)
         now = self.clock()
         self.rec.first_output(now)
         self.rec.close_handoff(now, self.step)
@@ -246,6 +257,7 @@ class RequestMachine:
                                      prompt_tokens=len(self.prompt), hazards=list(self.hazards),
                                      handoffs=list(self.rec.handoffs), fallback=fallback,
                                      timings=dict(self.rec.timings), step_ms=self.rec.step_ms,
-                                     logprobs=self._lps(self.stream.tags[:len(ids)]))
+                                     logprobs=self._lps(self.stream.tags[:len(ids)]),
+                                     endpoints=list(self.rec.endpoints))
         self.emit(FinalEvent(self.request_id, self.done))
         return self.done

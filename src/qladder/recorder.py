@@ -47,6 +47,7 @@ class Recorder:
         self.timings: dict[str, float] = {}
         self.step_ms: list[float] = []
         self.handoffs: list[Handoff] = []
+        self.endpoints: list[str] = []  # the replicas that wrote the answer's rung-0 tokens, in order
         self._last_accept: float | None = None
         self._open: tuple[float, str, str, int, bool] | None = None  # started, from, to, caught, warm
         self._pending: list[Incident] = []
@@ -78,6 +79,11 @@ class Recorder:
         """Verified decoding: a window of `drafts` decided, `kept` of them stood."""
         for key, n in (("verify_windows", 1), ("verify_drafts", drafts), ("verify_kept", kept)):
             self.timings[key] = self.timings.get(key, 0) + n
+
+    def served_by(self, endpoint: str) -> None:
+        """A pool of replicas named the endpoint whose tokens follow (RemoteAt)."""
+        if endpoint not in self.endpoints:
+            self.endpoints.append(endpoint)
 
     def migrated(self) -> None:
         """A pool of replicas continued the answer's stream at a sibling (its replica died)."""

@@ -82,6 +82,7 @@ class GenerationResult:
     timings: dict[str, float] = field(default_factory=dict)
     step_ms: list[float] = field(default_factory=list)  # per emitted token after the first
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    endpoints: list[str] = field(default_factory=list)  # the replicas that wrote its INT4 tokens (a pool of them)
 
     @property
     def degraded(self) -> bool:
@@ -102,6 +103,7 @@ class GenerationResult:
             "hazards": [h.to_dict() for h in self.hazards],
             "handoffs": [h.to_dict() for h in self.handoffs],
             "timings": self.timings,
+            "endpoints": self.endpoints,
         }
 
 

@@ -403,14 +403,21 @@ class ServingEngine:
                 _log.exception("an alarm observer failed on endpoint %s", a.endpoint)
 
     def _audit_share(self) -> float:
-        """The floor rate, or the spare one while INT4 has room and the auditor keeps up (the
-        scheduler's and the auditor's counters, read as the stats read them)."""
+        """The floor rate, or the spare one while the auditor keeps up and there is room: an
+        in-process INT4 pool under half its slots busy with nobody waiting (the audit takes a core
+        it would use), llama-server replicas while the standby has nothing else to do (their
+        cores are their servers'; the standby's are its own). Read from the scheduler's, the
+        standby's and the auditor's counters, as the stats read them."""
         spare = self.config.audit_spare_rate
-        if spare <= self.audit_rate or self.audit_rate <= 0 or not isinstance(self.scheduler, Int4Scheduler):
-            return self.audit_rate
         auditor = self.standby.auditor if self.standby is not None else None
-        roomy = self.scheduler.depth == 0 and 2 * self.scheduler.slots_in_use < self.int4.n_slots
-        return spare if roomy and auditor is not None and auditor.pending < 4 else self.audit_rate
+        if spare <= self.audit_rate or self.audit_rate <= 0 or auditor is None or auditor.pending >= 4:
+            return self.audit_rate
+        assert self.standby is not None
+        if isinstance(self.scheduler, Int4Scheduler):
+            roomy = self.scheduler.depth == 0 and 2 * self.scheduler.slots_in_use < self.int4.n_slots
+        else:
+            roomy = self.standby.active == 0 and self.standby.depth == 0
+        return spare if roomy else self.audit_rate
 
     def _drafts(self, r: Request) -> bool:
         """Whether this verified request drafts (counted until it ends), or goes to rung 1 alone."""

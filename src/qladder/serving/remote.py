@@ -320,8 +320,8 @@ class RemotePool:
                     except StopAsyncIteration:
                         raise RemoteStreamError(f"{rung.name}'s stream ended without an end") from None
                     if isinstance(item, RemoteAt):  # which replica writes what follows (the audit's endpoint)
-                        if j == 0 and m.audit is not None:
-                            m.audit.at(item.endpoint)
+                        if j == 0:
+                            m.served_by(item.endpoint)
                         continue
                     if isinstance(item, RemoteResumed):  # a replica died: its sibling prefills the context
                         m.rec.migrated()
@@ -356,9 +356,7 @@ class RemotePool:
                     if visit.ended():  # what the visit released completed a stop string
                         return None
                     lp = _logprob(item, m.params.logprobs) if m.params.logprobs is not None else None
-                    if j == 0 and m.audit is not None:  # an audited answer: the server's top-k here
-                        m.audit.add_top(t, item.top)
-                    action = m.accept_token(t, lp)
+                    action = m.accept_token(t, lp, item.top if j == 0 else None)  # (the top-k: the audit's)
                     if isinstance(action, Done):  # a stop string in what was released (before any held window)
                         return None
                     if m.unchecked and (isinstance(action, Confirm | MoveTo | Verify) or m.step >= n_check):

@@ -264,3 +264,17 @@ def test_qladder_serve_audits_stores_and_exports_by_class_and_sends_a_drifting_c
         server.close()
     out = CliRunner().invoke(app, ["incidents", "audits", "--db", str(db)])
     assert out.exit_code == 0 and "math" in out.stdout and "agreement" in out.stdout
+
+
+def test_the_audits_recent_cost_is_its_chunks_core_seconds_over_the_window():
+    """What the engine's audit budget reads: the core-seconds of the chunks that ended in the last
+    SPENT_WINDOW_S (on the standby's clock), older ones forgotten."""
+    from qladder.serving.auditor import SPENT_WINDOW_S, Auditor
+
+    a = Auditor(None, lambda r: None)  # type: ignore[arg-type]  (no chunk runs here)
+    a.charge(100.0, 0.5)
+    a.charge(101.0, 0.25)
+    assert a.spent(101.0) == 0.75
+    assert a.spent(100.0 + SPENT_WINDOW_S + 0.5) == 0.25  # the first chunk is out of the window
+    a.charge(200.0, 1.0)  # (and dropped from the record)
+    assert a.spent(200.0) == 1.0

@@ -69,6 +69,7 @@ def serving_config(t: Topology, settings: Settings) -> ServingConfig:
                          remote=RemoteConfig(max_inflight=int4.slots + int4.max_queue
                                              + (standby.sessions + standby.max_queue if standby else 0)),
                          audit_rate=audit, audit_spare_rate=int4.audit_spare_rate if audit > 0 else 0.0,
+                         audit_budget=int4.audit_budget,
                          detector=committed() if int4.detect and audit > 0 else None)
 
 

@@ -31,8 +31,9 @@
                                    # to do (default: 0.05 beside an in-process standby, each
                                    # llama-server replica judged apart; 0 with a vLLM standby);
                                    # scores by class in /metrics
-    audit_spare_rate = 0.5         # the share audited instead while the pool has spare capacity (under
-                                   # half its slots busy, nobody waiting): a quiet box audits more
+    audit_spare_rate = 0.5         # the share audited instead while the audit's core-time over the last
+    audit_budget = 0.1             # 30 s is under this share of the box's cores: the floor always runs,
+                                   # the rest costs INT4 at most the budget of its throughput
     detect = true                  # the audit's test (health/detector.py, a CUSUM with committed
                                    # thresholds) ejects a pool (a replica) whose answers full precision
                                    # finds unlikely: its requests then go to the standby (its siblings)
@@ -136,7 +137,8 @@ class PoolConfig:
     precision: str = "fast"  # an INT4 pool's default: "fast" or "verified" (verified decoding)
     audit_rate: float | None = None  # an INT4 pool's share of answers the audit scores (None: AUDIT_FLOOR
     #                                  in-process beside an in-process standby, else 0)
-    audit_spare_rate: float = 0.5  # the share audited while the pool has spare capacity (if audit_rate > 0)
+    audit_spare_rate: float = 0.5  # the share audited while the audit is within its budget (if audit_rate > 0)
+    audit_budget: float = 0.1  # the audit's core-time (last 30 s) beyond the floor: this share of the box's
     detect: bool = True  # the audit's test on this pool's scores ejects it when it decides it is broken
 
     def audit_share(self, standby: PoolConfig | None) -> float:
@@ -416,6 +418,8 @@ def _check_pools(pools: tuple[PoolConfig, ...], errors: list[str]) -> None:
             errors.append(f"{where}: a pool cannot catch its own handoffs")
         if not 0.0 <= p.audit_spare_rate <= 1.0:
             errors.append(f"{where}: audit_spare_rate must be in [0, 1], got {p.audit_spare_rate}")
+        if not 0.0 <= p.audit_budget <= 1.0:
+            errors.append(f"{where}: audit_budget must be in [0, 1], got {p.audit_budget}")
         if p.audit_rate is None:
             pass
         elif not 0.0 <= p.audit_rate <= 1.0:

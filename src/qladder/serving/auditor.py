@@ -1,8 +1,9 @@
 """The standby's drift audits (qladder.audit): jobs queued by finished INT4 answers, run in the
 turns the standby has nothing else to do, one chunk of `chunk` tokens a turn, so a handoff that
-arrives meanwhile waits at most one chunk. Owned by the standby's worker thread; `offer` is the
-only call from other threads (a bounded deque behind a lock: a full queue drops the oldest job,
-counted)."""
+arrives meanwhile waits at most one chunk. Owned by the standby's worker thread; `offer`,
+`pending` and `spent` are the calls from other threads (a bounded deque behind a lock: a full
+queue drops the oldest job, counted; the chunks' core-seconds over the last SPENT_WINDOW_S behind
+the same lock: what the engine's audit budget reads)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from qladder.engines.torch_batch import BatchedTorch, BatchedTorchSession
 from qladder.errors import EngineError
 
 _log = logging.getLogger("qladder.audit")
+SPENT_WINDOW_S = 30.0  # the audit's recent cost is read over this window
 
 
 class Auditor:
@@ -35,6 +37,7 @@ class Auditor:
         self._feed: list[int] = []
         self._rows: list[torch.Tensor] = []
         self._delivering = False  # a scored job's record not yet with its observers (still pending)
+        self._spent: deque[tuple[float, float]] = deque()  # (chunk end, core-seconds), the last window's
 
     # -- any thread ------------------------------------------------------------------------------
     def offer(self, job: AuditJob) -> None:
@@ -50,6 +53,18 @@ class Auditor:
         with self._lock:
             waiting = bool(self._jobs)
         return self._job is not None or (waiting and self.engine.free_slots > 0)
+
+    def charge(self, now: float, core_s: float) -> None:
+        """A chunk ran until `now` (the standby's clock) on `core_s` core-seconds (its thread)."""
+        with self._lock:
+            self._spent.append((now, core_s))
+            while self._spent and self._spent[0][0] < now - SPENT_WINDOW_S:
+                self._spent.popleft()
+
+    def spent(self, now: float) -> float:
+        """Core-seconds the audit ran in the last SPENT_WINDOW_S (any thread)."""
+        with self._lock:
+            return sum(c for t, c in self._spent if t >= now - SPENT_WINDOW_S)
 
     @property
     def pending(self) -> int:

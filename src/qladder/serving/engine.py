@@ -21,6 +21,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -50,6 +51,7 @@ from qladder.model import ModelInfo, inspect_model, user_prompt_ids
 from qladder.policy import LadderConfig
 from qladder.sampling import SamplingParams
 from qladder.serving.aborts import AbortRegistry
+from qladder.serving.auditor import SPENT_WINDOW_S
 from qladder.serving.cores import Cores
 from qladder.serving.drafts import should_draft
 from qladder.serving.endpoint_watch import Alarm, EndpointWatch
@@ -119,11 +121,12 @@ class ServingConfig:
     verify_drafting: int = 1
     # The audit (qladder.audit): this share of INT4 answers scored teacher-forced by the standby's
     # first rung in the background, in its turns with nothing else to do (0: none), at most
-    # `audit_queue` waiting; `audit_spare_rate` (if higher) while the INT4 pool has spare capacity
-    # (under half its slots busy, nobody waiting, the audit queue short), so a quiet box audits
-    # more and a busy one keeps to the floor.
+    # `audit_queue` waiting; `audit_spare_rate` (if higher) while the audit's core-time over the
+    # last 30 s is under `audit_budget` of the box's (`cores`, else every CPU) and its queue is
+    # short: the floor always runs, the rest within the budget.
     audit_rate: float = 0.0
     audit_spare_rate: float = 0.0
+    audit_budget: float = 0.1
     audit_queue: int = 64
     # The endpoint detector (health/detector.py) on the audit's scores: None, none. With it, a
     # suspect INT4 pool has every answer audited until the test decides; an ejected one's requests
@@ -403,21 +406,17 @@ class ServingEngine:
                 _log.exception("an alarm observer failed on endpoint %s", a.endpoint)
 
     def _audit_share(self) -> float:
-        """The floor rate, or the spare one while the auditor keeps up and there is room: an
-        in-process INT4 pool under half its slots busy with nobody waiting (the audit takes a core
-        it would use), llama-server replicas while the standby has nothing else to do (their
-        cores are their servers'; the standby's are its own). Read from the scheduler's, the
-        standby's and the auditor's counters, as the stats read them."""
-        spare = self.config.audit_spare_rate
+        """The floor rate, or the spare one while the auditor keeps up (under 4 jobs waiting) and
+        its core-time over the last SPENT_WINDOW_S is under `audit_budget` of the box's: the
+        audit's cost to INT4's throughput is at most the budget (an in-process pool decodes on
+        every core the audit does not hold; a remote one's servers may share this box's)."""
+        c = self.config
         auditor = self.standby.auditor if self.standby is not None else None
-        if spare <= self.audit_rate or self.audit_rate <= 0 or auditor is None or auditor.pending >= 4:
+        if c.audit_spare_rate <= self.audit_rate or self.audit_rate <= 0 or auditor is None or auditor.pending >= 4:
             return self.audit_rate
-        assert self.standby is not None
-        if isinstance(self.scheduler, Int4Scheduler):
-            roomy = self.scheduler.depth == 0 and 2 * self.scheduler.slots_in_use < self.int4.n_slots
-        else:
-            roomy = self.standby.active == 0 and self.standby.depth == 0
-        return spare if roomy else self.audit_rate
+        cores = c.cores or os.cpu_count() or 1
+        under = auditor.spent(self.clock()) < c.audit_budget * cores * SPENT_WINDOW_S
+        return c.audit_spare_rate if under else self.audit_rate
 
     def _drafts(self, r: Request) -> bool:
         """Whether this verified request drafts (counted until it ends), or goes to rung 1 alone."""

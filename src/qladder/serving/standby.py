@@ -206,11 +206,13 @@ class StandbyPool:
     def _audit_chunk(self, auditor: Auditor) -> None:
         """One chunk of a drift audit, in a turn with nothing else to do (on the leased cores)."""
         leased = self._lease()
+        t0 = self.clock()
         try:
             auditor.step()
         finally:
             if leased and self.cores is not None:
                 self.cores.release(leased)
+            auditor.charge(self.clock(), (self.clock() - t0) * (leased or self.threads))
 
     def _handoffs(self) -> int:
         return sum(t.handoff for t in self._active)

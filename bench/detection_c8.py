@@ -6,7 +6,8 @@ For each weight corruption with a GGUF patch (qladder.validate.fault_models: the
 kinds, which nothing was tuned on, and the train kinds) a patched copy of the embedded GGUF is
 made, and:
     replicas    two llama-servers (-np 4, -t 1 each): replica A on the patched GGUF, B on the
-                clean one, one pool (remote_url = (A, B)); the in-process fp32 standby audits
+                clean one (2048 context a slot, as in-process), one pool (remote_url = (A, B)); the
+                in-process fp32 standby audits
     in-process  the batched llama.cpp pool (8 slots) on the patched GGUF; the fp32 standby audits
 Both: audit_rate 0.05 and audit_spare_rate 0.5 (the defaults), the committed detector
 thresholds, probes every 5 s; 8 clients in a closed loop over N test-half prompts (normal ones;
@@ -15,7 +16,8 @@ clean) answers CLEAN prompts the same way: its alarms are false alarms.
 
 Every answer is one line of DIR/outcomes.jsonl: topology, kind, the endpoints that wrote it, its
 rungs, hazards, when it was submitted and ended (s from the kind's start), whether it was audited
-and its excess, the alarm time, and the calibrated judge's verdict (validate.garbage.judge with
+and its excess, the alarm time, an error (a refusal: a row, never dropped; no answer forwarded),
+and the calibrated judge's verdict (validate.garbage.judge with
 fp32's NLL of the answer, scored after the kind's run). DIR/results.json holds the figures,
 computed from those lines by `figures` (`--recompute DIR` does it again; exit 1 if they differ or
 a verdict fails).
@@ -46,6 +48,7 @@ from qladder.benchmarks.common import AuditLog, closed_loop
 from qladder.config import Settings
 from qladder.engines import load_engine
 from qladder.environment import snapshot
+from qladder.errors import QladderError
 from qladder.health.detector import committed
 from qladder.model import ModelInfo, inspect_model, user_prompt_ids
 from qladder.peers.llama_server import LlamaServer
@@ -83,8 +86,17 @@ def serve(se: ServingEngine, prompts: list[Any], n: int, topology: str, kind: st
         ids = user_prompt_ids(se.info.chat_template, text, se.int4.tokenize)
         req = se.request(ids, SamplingParams(max_tokens=32), prompt_text=text, prompt_class=p.cls)
         sent = time.monotonic() - t0
-        r = se.generate_sync(req)
-        row = {"topology": topology, "kind": kind, "split": split, "n": k, "prompt_id": p.id,
+        try:
+            r = se.generate_sync(req)
+        except QladderError as exc:  # a well-formed refusal (a prompt past the context): a row, never dropped
+            with lock:
+                rows.append({"topology": topology, "kind": kind, "split": split, "n": k, "prompt_id": p.id,
+                             "request_id": req.request_id, "bad_endpoint": bad, "error": f"{type(exc).__name__}: {exc}",
+                             "endpoints": [], "rungs": [], "int4_tokens": 0, "tokens": 0, "hazards": [],
+                             "submitted_s": round(sent, 4), "ended_s": round(time.monotonic() - t0, 4),
+                             "prompt_ids": list(ids), "token_ids": [], "text": "", "prompt_text": text})
+            return
+        row = {"error": None, "topology": topology, "kind": kind, "split": split, "n": k, "prompt_id": p.id,
                "request_id": req.request_id, "bad_endpoint": bad,
                "endpoints": r.endpoints or ([se.int4.name] if r.token_rungs and r.token_rungs[0] == "int4" else []),
                "rungs": sorted(set(r.token_rungs)),
@@ -109,6 +121,9 @@ def judge_rows(rows: list[dict[str, Any]], fp32: Any) -> None:
     """The calibrated judge on every answer (fp32's NLL of it; the standby's engine, its pool closed)."""
     threshold = judge_calibration().threshold
     for r in rows:
+        if r["error"] is not None:
+            r["garbage"], r["reasons"], r["nll"] = False, [], None
+            continue
         nll = mean_nll(fp32.score(r["prompt_ids"], r["token_ids"])) if r["token_ids"] else None
         v = judge(r["text"], r["token_ids"], r["prompt_text"], nll=nll, threshold=threshold)
         r["garbage"], r["reasons"], r["nll"] = v.garbage, list(v.reasons), v.nll
@@ -131,6 +146,7 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
                "broken_forwarded_after": sum(r["garbage"] for r in after),
                "int4_answers_of_bad_before": len(before), "int4_answers_of_bad_after": len(after),
                "audited": sum(r["audited"] for r in mine), "handed_off": sum(bool(r["hazards"]) for r in mine),
+               "errors": sum(r["error"] is not None for r in mine),
                "garbage_all": sum(r["garbage"] for r in mine)}
         (out["clean"] if kind == "clean" else out["kinds"]).setdefault(topology, {})[kind] = fig
     verdicts: dict[str, Any] = {}
@@ -160,7 +176,7 @@ def engine(topology: str, info: ModelInfo, gguf: Path, s: Settings, fp32: Any,
     common = {"audit_rate": AUDIT_RATE, "audit_spare_rate": AUDIT_SPARE, "detector": committed(),
               "probe_every_s": 5.0, "standby_threads": 1}
     if topology == "replicas":
-        servers += [LlamaServer(path, n_parallel=4, threads=1, n_ctx_per_slot=1024).start()
+        servers += [LlamaServer(path, n_parallel=4, threads=1, n_ctx_per_slot=2048).start()
                     for path in (gguf, info.path)]
         cfg = ServingConfig(remote_url=tuple(x.base_url for x in servers), **common)  # type: ignore[arg-type]
         return ServingEngine(cfg, info, s, standby_engines=[fp32]), servers[0].base_url
@@ -226,7 +242,7 @@ def main() -> int:
     result = {"benchmark": "detection_c8", "command": " ".join(["python bench/detection_c8.py", *sys.argv[1:]]),
               "thresholds": committed().to_dict(), "judge_threshold": judge_calibration().threshold,
               "clients": CLIENTS, "audit": {"rate": AUDIT_RATE, "spare_rate": AUDIT_SPARE},
-              "llama_server": {"n_parallel": 4, "threads": 1, "replicas": 2},
+              "llama_server": {"n_parallel": 4, "threads": 1, "n_ctx_per_slot": 2048, "replicas": 2},
               "environment": snapshot(s.n_threads, 2048), "wall_s": round(time.perf_counter() - t0, 1),
               "figures": figures(rows)}
     (a.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")

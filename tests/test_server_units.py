@@ -188,6 +188,7 @@ def test_the_audit_and_its_test_are_on_by_default_where_an_in_process_standby_ca
     s = Settings.from_env()
     c = serving_config(parse_topology({}), s)
     assert c.audit_rate == AUDIT_FLOOR == 0.05 and c.audit_spare_rate == 0.5 and c.detector == committed()
+    assert c.audit_budget == 0.1
     # and DriftWatch, its bound the committed calibration's (unset verify_below; 0 turns it off)
     assert parse_topology({}).server.verify_below is None and 0.9 < committed_drift_bound() < 1.0
     assert parse_topology({"server": {"verify_below": 0}}).server.verify_below == 0.0
@@ -211,6 +212,9 @@ def test_the_audit_and_its_test_are_on_by_default_where_an_in_process_standby_ca
         parse_topology({"pools": [{"name": "edge", "rungs": ["llama-server"], "url": "http://a:1", "weight": 1.0,
                                    "handoff_to": "gpu", "audit_rate": 0.1}, {"name": "gpu", "rungs": ["vllm"],
                                                                               "url": "http://b:2"}]})
+    with pytest.raises(ConfigError, match="audit_budget must be in"):
+        parse_topology({"pools": [{"name": "int4", "rungs": ["int4"], "weight": 1.0, "handoff_to": "s",
+                                   "audit_budget": 1.5}, {"name": "s", "rungs": ["fp32"]}]})
     with pytest.raises(ConfigError, match="audit_spare_rate must be in"):
         parse_topology({"pools": [{"name": "int4", "rungs": ["int4"], "weight": 1.0, "handoff_to": "s",
                                    "audit_spare_rate": 2}, {"name": "s", "rungs": ["fp32"]}]})

@@ -129,13 +129,17 @@ def test_recompute_reproduces_committed_runs_without_torch_and_exits_on_their_ve
     assert res.returncode == {"pass": 0, "fail": 1, "inconclusive": 3}[stored]
 
 
-def test_the_committed_detection_run_recomputes_and_exits_on_its_verdict():
-    """bench/detection.py --recompute: the figures again from outcomes.jsonl, exit 1 on its FAIL."""
+@pytest.mark.parametrize(("script", "folder"), [("detection.py", "detection-2026-12-06"),
+                                               ("detection_c8.py", "detection-c8-2026-12-07")])
+def test_the_committed_detection_runs_recompute_and_exit_on_their_verdicts(script, folder):
+    """bench/detection*.py --recompute: the figures again from outcomes.jsonl, exit 1 on a FAIL."""
     import subprocess
     import sys
 
-    folder = ROOT / "bench" / "results" / "detection-2026-12-06"
-    res = subprocess.run([sys.executable, str(ROOT / "bench" / "detection.py"), "--recompute", str(folder)],
+    path = ROOT / "bench" / "results" / folder
+    stored = json.loads((path / "results.json").read_text())["figures"]["verdict"]
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--recompute", str(path)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT / "bench")
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out == {"reproduced": True, "verdict": "FAIL"} and res.returncode == 1, res.stderr[-2000:]
+    assert out == {"reproduced": True, "verdict": stored}, res.stderr[-2000:]
+    assert res.returncode == (0 if stored == "PASS" else 1)

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qladder.benchmarks.common import AuditLog
+from qladder.benchmarks.common import AuditLog, recompute_figures
 from qladder.config import Settings
 from qladder.engines import load_engine
 from qladder.environment import snapshot
@@ -117,12 +117,7 @@ def main() -> int:
     ap.add_argument("--recompute", type=Path, help="recompute DIR's figures from its outcomes; exit 1 on a change")
     a = ap.parse_args()
     if a.recompute:
-        rows = [json.loads(line) for line in (a.recompute / "outcomes.jsonl").read_text().splitlines() if line]
-        saved = json.loads((a.recompute / "results.json").read_text())
-        again = figures(rows)
-        same = json.dumps(again, sort_keys=True) == json.dumps(saved["figures"], sort_keys=True)
-        print(json.dumps({"reproduced": same, "verdict": again["verdict"]}))
-        return 0 if same and again["verdict"] == "PASS" else 1
+        return recompute_figures(a.recompute, figures)
     assert a.out is not None, "--out DIR"
     a.out.mkdir(parents=True, exist_ok=True)
     s = Settings.from_env()

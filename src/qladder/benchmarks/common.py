@@ -3,10 +3,12 @@ bandwidth."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -127,3 +129,14 @@ def judge_answers(outcomes: Sequence[Outcome], info: ModelInfo) -> None:
             o.judge()
     finally:
         vocab.close()
+
+
+def recompute_figures(folder: Path, figures: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> int:
+    """A bench folder's figures again from its outcomes.jsonl by `figures`, compared with its
+    results.json: prints {"reproduced", "verdict"}; 0 only when they match and the verdict is PASS."""
+    rows = [json.loads(line) for line in (folder / "outcomes.jsonl").read_text().splitlines() if line]
+    saved = json.loads((folder / "results.json").read_text())
+    again = figures(rows)
+    same = json.dumps(again, sort_keys=True) == json.dumps(saved["figures"], sort_keys=True)
+    print(json.dumps({"reproduced": same, "verdict": again["verdict"]}))
+    return 0 if same and again["verdict"] == "PASS" else 1

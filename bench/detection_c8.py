@@ -11,16 +11,18 @@ made, and:
     in-process  the batched llama.cpp pool (8 slots) on the patched GGUF; the fp32 standby audits
 Both: audit_rate 0.05 and audit_spare_rate 0.5 (the defaults), the committed detector
 thresholds, probes every 5 s; 8 clients in a closed loop over N test-half prompts (normal ones;
-a glitch kind's own abnormal classes), 32-token greedy answers. Then the clean GGUF (both replicas
-clean) answers CLEAN prompts the same way: its alarms are false alarms.
+a glitch kind's own abnormal classes), 32-token greedy answers, each read whole (not streamed, as
+the openai client asks by default: an answer in flight when its endpoint is ejected is withdrawn
+and starts again at full precision, none of its INT4 tokens kept). Then the clean GGUF (both
+replicas clean) answers CLEAN prompts the same way: its alarms are false alarms.
 
 Every answer is one line of DIR/outcomes.jsonl: topology, kind, the endpoints that wrote it, its
 rungs, hazards, when it was submitted and ended (s from the kind's start), whether it was audited
-and its excess, the alarm time, an error (a refusal: a row, never dropped; no answer forwarded),
-and the calibrated judge's verdict (validate.garbage.judge with
-fp32's NLL of the answer, scored after the kind's run). DIR/results.json holds the figures,
-computed from those lines by `figures` (`--recompute DIR` does it again; exit 1 if they differ or
-a verdict fails).
+and its score (and excess) and when its record came, whether it was withdrawn, the alarm time,
+an error (a refusal: a row, never dropped; no answer forwarded), and the calibrated judge's
+verdict (validate.garbage.judge with fp32's NLL of the answer, scored after the kind's run).
+DIR/results.json holds the figures, computed from those lines by `figures` (`--recompute DIR`
+does it again; exit 1 if they differ or a verdict fails).
 
 The figure per kind: the broken answers forwarded from the corrupted endpoint (INT4-written,
 judged garbage) of requests submitted before its ejection, and of those submitted after; the
@@ -84,7 +86,7 @@ def serve(se: ServingEngine, prompts: list[Any], n: int, topology: str, kind: st
         p = prompts[k % len(prompts)]
         text = _text(p)
         ids = user_prompt_ids(se.info.chat_template, text, se.int4.tokenize)
-        req = se.request(ids, SamplingParams(max_tokens=32), prompt_text=text, prompt_class=p.cls)
+        req = se.request(ids, SamplingParams(max_tokens=32), prompt_text=text, prompt_class=p.cls, streamed=False)
         sent = time.monotonic() - t0
         try:
             r = se.generate_sync(req)
@@ -93,6 +95,7 @@ def serve(se: ServingEngine, prompts: list[Any], n: int, topology: str, kind: st
                 rows.append({"topology": topology, "kind": kind, "split": split, "n": k, "prompt_id": p.id,
                              "request_id": req.request_id, "bad_endpoint": bad, "error": f"{type(exc).__name__}: {exc}",
                              "endpoints": [], "rungs": [], "int4_tokens": 0, "tokens": 0, "hazards": [],
+                             "withdrawn": False,
                              "submitted_s": round(sent, 4), "ended_s": round(time.monotonic() - t0, 4),
                              "prompt_ids": list(ids), "token_ids": [], "text": "", "prompt_text": text})
             return
@@ -101,7 +104,8 @@ def serve(se: ServingEngine, prompts: list[Any], n: int, topology: str, kind: st
                "endpoints": r.endpoints or ([se.int4.name] if r.token_rungs and r.token_rungs[0] == "int4" else []),
                "rungs": sorted(set(r.token_rungs)),
                "int4_tokens": sum(x in ("int4", "llama-server") for x in r.token_rungs),
-               "tokens": len(r.token_ids), "hazards": [h.check for h in r.hazards], "submitted_s": round(sent, 4),
+               "tokens": len(r.token_ids), "hazards": [h.check for h in r.hazards],
+               "withdrawn": any(h.check == "audit" for h in r.hazards), "submitted_s": round(sent, 4),
                "ended_s": round(time.monotonic() - t0, 4), "prompt_ids": list(ids), "token_ids": list(r.token_ids),
                "text": r.text, "prompt_text": text}
         with lock:
@@ -112,6 +116,9 @@ def serve(se: ServingEngine, prompts: list[Any], n: int, topology: str, kind: st
     for row in rows:
         a = audits.get(row["request_id"])
         row["audited"], row["excess"] = a is not None, (a.excess if a else None)
+        row["score"] = a.score if a else None
+        at = audits.arrived(row["request_id"])
+        row["audited_s"] = round(at - t0, 4) if at is not None else None
         row["alarm_s"] = round(alarms[0][0], 4) if alarms else None
         row["alarm_endpoint"] = alarms[0][1].endpoint if alarms else None
     return sorted(rows, key=lambda r: r["n"])
@@ -145,7 +152,10 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
                "broken_forwarded_before": sum(r["garbage"] for r in before),
                "broken_forwarded_after": sum(r["garbage"] for r in after),
                "int4_answers_of_bad_before": len(before), "int4_answers_of_bad_after": len(after),
-               "audited": sum(r["audited"] for r in mine), "handed_off": sum(bool(r["hazards"]) for r in mine),
+               "audited": sum(r["audited"] for r in mine),
+               "handed_off": sum(any(h != "audit" for h in r["hazards"]) for r in mine),
+               # (outcome lines from before withdrawals have no such field, nor this figure)
+               **({"withdrawn": sum(r["withdrawn"] for r in mine)} if all("withdrawn" in r for r in mine) else {}),
                "errors": sum(r["error"] is not None for r in mine),
                "garbage_all": sum(r["garbage"] for r in mine)}
         (out["clean"] if kind == "clean" else out["kinds"]).setdefault(topology, {})[kind] = fig

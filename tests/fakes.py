@@ -70,9 +70,9 @@ class FakeClient:
     def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                 request_id: str | None = None, faults: Sequence[Fault] = (), prompt_text: str | None = None,
                 ladder: LadderConfig | None = None, start_rung: int = 0, flagged: bool = False,
-                verified: bool = False, prompt_class: str | None = None) -> Request:
+                verified: bool = False, prompt_class: str | None = None, streamed: bool = True) -> Request:
         return Request(request_id or uuid.uuid4().hex[:16], tuple(prompt_ids), params or SamplingParams(),
-                       tuple(faults), prompt_text, ladder, start_rung, flagged, verified, prompt_class)
+                       tuple(faults), prompt_text, ladder, start_rung, flagged, verified, prompt_class, streamed)
 
     def add_audit_observer(self, observe: Callable[[AuditRecord], None]) -> None:
         pass  # the fake audits nothing

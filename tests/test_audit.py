@@ -278,3 +278,99 @@ def test_the_audits_recent_cost_is_its_chunks_core_seconds_over_the_window():
     assert a.spent(100.0 + SPENT_WINDOW_S + 0.5) == 0.25  # the first chunk is out of the window
     a.charge(200.0, 1.0)  # (and dropped from the record)
     assert a.spent(200.0) == 1.0
+
+
+class _FakeSession:
+    def __init__(self, engine: _FakeBatched, prompt: list[int]):
+        self.engine, self.pending, self.n_rows = engine, prompt, 0
+
+    def take_pending(self) -> list[int]:
+        out, self.pending = self.pending, []
+        return out
+
+    def rows(self) -> torch.Tensor:
+        return torch.zeros(self.n_rows, 64)
+
+    def close(self) -> None:
+        self.engine.free_slots += 1
+
+
+class _FakeBatched:
+    """A batched rung's surface as the auditor uses it (reserve, run, free slots), recording each
+    chunk's size; its rows are uniform (every score is defined)."""
+
+    def __init__(self) -> None:
+        self.free_slots, self.chunks = 4, []
+
+    def reserve(self, prompt_ids):
+        self.free_slots -= 1
+        return _FakeSession(self, list(prompt_ids))
+
+    def run(self, work) -> None:
+        for s, ids, n_rows in work:
+            self.chunks.append(len(ids))
+            s.n_rows = n_rows
+
+
+def test_the_auditor_scores_urgent_jobs_first_in_order_then_the_newest_ordinary_one():
+    """An answer of an endpoint whose test has not decided (or a probe) is what decides an alarm:
+    it goes before the floor's backlog; under a backlog the freshest ordinary evidence goes next;
+    a full queue drops its oldest, counted; a chunk's size is the caller's when it names one."""
+    from qladder.serving.auditor import Auditor
+
+    done: list[str] = []
+    engine = _FakeBatched()
+    a = Auditor(engine, lambda r: done.append(r.request_id), max_jobs=3, chunk=64)  # type: ignore[arg-type]
+
+    def job(rid: str, urgent: bool = False, n: int = 4) -> AuditJob:
+        return AuditJob(rid, "chat", "int4", (1, 2, 3), tuple(range(n)), (((0, -1.0),) * 5,) * n, urgent=urgent)
+
+    for rid in ("old", "mid", "new", "newest"):  # the queue holds 3: "old" is dropped
+        a.offer(job(rid))
+    a.offer(job("u1", urgent=True))
+    a.offer(job("u2", urgent=True))
+    assert a.dropped == 1 and a.pending == 5
+    while a.step():
+        pass
+    assert done == ["u1", "u2", "newest", "new", "mid"] and a.pending == 0 and a.done == 5
+    a.offer(job("long", n=40))
+    engine.chunks.clear()
+    while a.step(16):
+        pass
+    assert engine.chunks == [16, 16, 10] and done[-1] == "long"  # prompt (3) + 39 answer ids fed
+
+
+@pytest.mark.slow
+def test_the_standby_audits_in_a_share_of_its_turns_while_a_handoff_keeps_it_busy():
+    """A long answer on the standby keeps it busy; an INT4 answer audited meanwhile is scored
+    before that answer ends (in BUSY_CHUNK chunks, within BUSY_SHARE of the standby's time), not
+    after it: the floor's audits run however busy handoffs keep full precision."""
+    import threading
+
+    from qladder.model import user_prompt_ids
+    from qladder.sampling import SamplingParams
+    from qladder.serving import ServingConfig, ServingEngine
+
+    from .conftest import get_engine
+
+    se = ServingEngine(ServingConfig(slots=4, audit_rate=1.0), standby_engines=[get_engine("fp32")])
+    records: list = []
+    se.add_audit_observer(records.append)
+    try:
+        ids = user_prompt_ids(se.info.chat_template, "Tell me a long story about a lighthouse keeper.",
+                              se.int4.tokenize)
+        long = se.request(ids, SamplingParams(max_tokens=200, ignore_eos=True), start_rung=1)
+        ended: list[bool] = []
+        t = threading.Thread(target=lambda: ended.append(bool(se.generate_sync(long, timeout_s=600).token_ids)))
+        t.start()
+        _until(lambda: se.standby is not None and se.standby.forwards >= 3, "the long answer under way")
+        q = user_prompt_ids(se.info.chat_template, "Name three colors.", se.int4.tokenize)
+        r = se.generate_sync(se.request(q, SamplingParams(max_tokens=24), prompt_text="Name three colors."))
+        assert r.token_ids and not ended, "the INT4 answer ended while the standby was busy"
+        _until(lambda: bool(records) or bool(ended), "the audit, or the long answer's end")
+        assert records and not ended, "the audit waited for the handoff to end"
+        assert records[0].tokens == len(r.token_ids)
+        t.join(timeout=600)
+        assert ended == [True]
+    finally:
+        se.close()

@@ -169,3 +169,83 @@ def test_a_corrupted_llama_server_replica_is_condemned_by_the_audit_and_its_sibl
         store.close()
         for s in servers:
             s.stop()
+
+
+def _eject(se: ServingEngine, endpoint: str) -> None:
+    """The audit's verdict, as the standby's thread gives it: EVIDENCE audited answers of `endpoint`
+    far over the reference (the watch's own record path: the alarm, its observers, the ejection)."""
+    from qladder.audit import AuditRecord
+    from qladder.health.detector import EVIDENCE
+
+    assert se.watch is not None
+    for k in range(EVIDENCE):
+        se.watch.record(AuditRecord(f"forced-{k}", "chat", endpoint, 16, 0.0, 0, 1.0, 9.0, excess=9.0))
+    assert se.watch.ejected(endpoint)
+
+
+def _in_flight(se: ServingEngine, reqs: list, tokens: int = 4) -> tuple[list, ThreadPoolExecutor]:
+    """Submit `reqs` and wait until each has `tokens` tokens out (its TokenEvents)."""
+    from qladder.types import TokenEvent
+
+    seen: dict[str, int] = {}
+
+    def count(ev) -> None:
+        if isinstance(ev, TokenEvent):
+            seen[ev.request_id] = seen.get(ev.request_id, 0) + len(ev.token_ids)
+
+    se.add_observer(count)
+    pool = ThreadPoolExecutor(len(reqs))
+    futures = [pool.submit(se.generate_sync, r, 300) for r in reqs]
+    _until(lambda: all(seen.get(r.request_id, 0) >= tokens for r in reqs), "the answers under way")
+    return futures, pool
+
+
+@pytest.mark.slow
+def test_an_ejected_pools_answers_in_flight_leave_it_at_once_and_a_whole_answer_has_none_of_its_tokens(model_info):
+    """The audit ejects the in-process pool while two answers are being written there: both leave
+    for the standby at once (an `audit` hazard). The one its client reads whole (not streamed)
+    starts again at full precision: none of INT4's tokens in it, exactly fp32's greedy answer; the
+    streamed one keeps what its client was sent and goes on at fp32."""
+    fp32 = get_engine("fp32")
+    cfg = ServingConfig(slots=4, audit_rate=0.05, detector=committed(), probe_every_s=3600.0)
+    se = ServingEngine(cfg, model_info, standby_engines=[fp32])
+    try:
+        text = "Write a long story about a lighthouse keeper and the storm."
+        ids = user_prompt_ids(se.info.chat_template, text, se.int4.tokenize)
+        params = SamplingParams(max_tokens=160)
+        whole = se.request(ids, params, prompt_text=text, streamed=False)
+        streamed = se.request(ids, params, prompt_text=text)
+        futures, pool = _in_flight(se, [whole, streamed])
+        _eject(se, se.int4.name)
+        w, s = (f.result(timeout=300) for f in futures)
+        pool.shutdown()
+        assert [h.check for h in w.hazards] == ["audit"] and set(w.token_rungs) == {"fp32"}
+        assert w.token_ids == greedy(fp32, ids, 160)
+        assert [h.check for h in s.hazards] == ["audit"] and s.token_rungs[0] == "int4" and s.token_rungs[-1] == "fp32"
+        assert se.stats()["withdrawn"] == 2.0
+    finally:
+        se.close()
+
+
+@pytest.mark.slow
+def test_a_replica_ejected_mid_answer_gives_it_up_to_the_standby(model_info):
+    """The same through a real llama-server (the pool's one replica): a whole answer it is
+    streaming when the audit ejects it starts again at full precision, none of its tokens kept."""
+    fp32 = get_engine("fp32")
+    server = LlamaServer(model_info.path, n_parallel=2, threads=1, n_ctx_per_slot=1024).start()
+    cfg = ServingConfig(remote_url=server.base_url, audit_rate=0.05, detector=committed(), probe_every_s=3600.0)
+    se = ServingEngine(cfg, model_info, standby_engines=[fp32])
+    try:
+        text = "Write a long story about a lighthouse keeper and the storm."
+        ids = user_prompt_ids(se.info.chat_template, text, se.int4.tokenize)
+        whole = se.request(ids, SamplingParams(max_tokens=160), prompt_text=text, streamed=False)
+        futures, pool = _in_flight(se, [whole])
+        _eject(se, se.int4_endpoints[0])
+        w = futures[0].result(timeout=300)
+        pool.shutdown()
+        assert [h.check for h in w.hazards] == ["audit"] and set(w.token_rungs) == {"fp32"}
+        assert w.token_ids == greedy(fp32, ids, 160)
+        assert se.stats()["withdrawn"] == 1.0
+    finally:
+        se.close()
+        server.stop()

@@ -39,6 +39,30 @@ def test_a_character_split_over_tokens_waits_for_its_last_byte():
     assert s.release() == (2, "€")
 
 
+def test_a_whole_answer_can_be_withdrawn_released_tokens_and_all_a_streamed_one_cannot():
+    """An answer its client reads whole (none sent before its end) starts again from nothing when
+    the endpoint writing it is ejected; a streamed one's released tokens are the client's."""
+    import pytest
+
+    s = TextStream(pieces, ("\n\n",))
+    s.whole = True
+    for t in (4, 6, 5):
+        s.push(t, None)
+        s.release()
+    assert s.released == 3 and s.text == "a\nb"
+    s.withdraw()
+    assert (s.ids, s.tags, s.released, s.text, s.stopped_at) == ([], [], 0, "", None)
+    s.push(5, None)
+    assert s.release(final=True) == (1, "b") and s.final_ids == [5]
+    streamed = TextStream(pieces)
+    streamed.push(4, None)
+    streamed.release()
+    with pytest.raises(AssertionError, match="released tokens are the client's"):
+        streamed.withdraw()
+    streamed.truncate(0)  # (a rollback never goes below what was released)
+    assert streamed.ids == [4]
+
+
 def test_an_answer_cut_inside_a_character_drops_the_partial_tokens():
     s, shown = run([4, 0, 1, 4, 2])  # "aéa" then the first two bytes of "€"
     assert shown == "aéa" == s.text and "\ufffd" not in shown

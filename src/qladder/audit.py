@@ -11,13 +11,15 @@ every position of the INT4-written part of the answer, INT4's token with its own
     kl_top5            the mean over positions of KL(INT4 || fp32) over INT4's 5 most likely
                        tokens, both distributions renormalised over those 5 (an estimate: the
                        tails are left out; INT4's top 5 are recorded as it decodes)
-    fp32_gap           the mean of (fp32's top logprob - fp32's logprob of INT4's token)
+    fp32_gap           the mean of (fp32's top logprob - fp32's logprob of INT4's token): about 0
+                       for a clean greedy answer; the score the endpoint detector reads for
+                       greedy answers (health/detector.py)
     excess             the mean of fp32's excess surprise at INT4's token: -log p(token) - H(p),
                        p fp32's distribution there. A sampled token is judged by fp32's probability
                        of it, not by argmax agreement: at or under 0 on average for a clean rung,
                        greedy or sampled (its tokens are ones fp32 finds likely), large where a
                        broken one writes what fp32 would not say. The score the endpoint detector
-                       reads (health/detector.py)
+                       reads for sampled answers
 
 `AuditTrail` is what a request's machine keeps while INT4 decodes (its tokens' top-5 logprobs);
 at the end it hands an `AuditJob` to its sink (the standby's queue). `score` is the pure
@@ -37,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+
+from qladder.health.detector import answer_score
 
 TOP_K = 5
 
@@ -65,6 +69,7 @@ class AuditJob:
     answer_ids: tuple[int, ...]  # the INT4-written part of the answer
     top: tuple[tuple[tuple[int, float], ...], ...]  # INT4's top-5 (id, logprob) at each of them
     greedy: bool = True  # the answer was decoded greedily (its agreement with fp32's argmax means something)
+    urgent: bool = False  # its endpoint's test has not decided, or a probe: scored before the others
 
 
 @dataclass
@@ -85,14 +90,20 @@ class AuditRecord:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def score(self) -> float | None:
+        """What the endpoint detector reads (health/detector.py, by mode): a greedy answer's fp32_gap,
+        a sampled one's excess (None: a record from before it was kept)."""
+        return answer_score(self.greedy, self.fp32_gap, self.excess)
+
 
 class AuditTrail:
     """One audited request's INT4 tokens and their top-5 logprobs, kept by its machine."""
 
     def __init__(self, request_id: str, prompt_class: str, pool: str, sink: Callable[[AuditJob], None],
-                 greedy: bool = True):
+                 greedy: bool = True, urgent: bool = False):
         self.request_id, self.prompt_class, self.pool, self.sink = request_id, prompt_class, pool, sink
-        self.greedy = greedy
+        self.greedy, self.urgent = greedy, urgent
         self.mixed = False
         self.top: list[tuple[tuple[int, float], ...]] = []
 
@@ -122,7 +133,7 @@ class AuditTrail:
         n = min(len(self.top), len(answer_ids))
         if n and not self.mixed:
             self.sink(AuditJob(self.request_id, self.prompt_class, self.pool, tuple(prompt_ids),
-                               tuple(answer_ids[:n]), tuple(self.top[:n]), self.greedy))
+                               tuple(answer_ids[:n]), tuple(self.top[:n]), self.greedy, self.urgent))
 
 
 def score(job: AuditJob, rows: torch.Tensor, source: str = "audit") -> AuditRecord:

@@ -40,6 +40,11 @@ class Request:
     flagged: bool = False  # the input defence changed the prompt: its answer's first tokens are checked
     verified: bool = False  # verified decoding: rung 0 drafts, rung 1 decides every token (its answer)
     prompt_class: str | None = None  # chat, qa, code, math, abnormal (qladder.classify): the drift audit's
+    # The client is sent tokens as they are released. False: it is sent the whole answer at its
+    # end, so nothing is released before: an endpoint the audit ejects mid-answer has none of
+    # its tokens in the answer (the answer starts again on the rung above).
+    streamed: bool = True
+    probe: bool = False  # the engine's own answer nobody is shown (an ejected endpoint's probe): never withdrawn
 
 
 @runtime_checkable
@@ -53,7 +58,7 @@ class EngineClient(Protocol):
     def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                 request_id: str | None = None, faults: Sequence[Fault] = (), prompt_text: str | None = None,
                 ladder: LadderConfig | None = None, start_rung: int = 0, flagged: bool = False,
-                verified: bool = False, prompt_class: str | None = None) -> Request:
+                verified: bool = False, prompt_class: str | None = None, streamed: bool = True) -> Request:
         """A Request for this engine; nothing is submitted yet."""
         ...
 

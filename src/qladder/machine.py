@@ -90,6 +90,7 @@ class RequestMachine:
         # each accepted token's tag: its rung, its log-probability (when the request asked for them)
         period = config.guard.repetition_max_period if config.guard.check_repetition else 0
         self.stream: TextStream[tuple[str, TokenLogprob | None]] = TextStream(token_bytes, request.params.stop, period)
+        self.stream.whole = not request.streamed  # (the client reads the answer whole, at its end)
         self.hazards: list[Hazard] = []
         self.rung, self.streak = request.start_rung, 0
         self.unchecked = False  # the answer's first tokens await the standby's check: none released
@@ -189,8 +190,10 @@ class RequestMachine:
         self.rec.close_handoff(now, self.step)  # a handoff whose new rung failed before its first token
         if hazard.check == "verify":  # the standby refused token `step`: continue from the ones before it
             self.stream.truncate(hazard.step)  # (never below what was released)
-        elif hazard.check == "diffuse" or self.unchecked:  # suspect, or never checked: roll back what was held
-            self.stream.truncate(0)
+        elif hazard.check == "audit" and self.stream.whole:  # the audit ejected the endpoint writing it:
+            self.stream.withdraw()  # none of it was sent (its client reads it whole); it starts again above
+        elif hazard.check in ("diffuse", "audit") or self.unchecked:  # suspect, or never checked: roll back
+            self.stream.truncate(0)  # what was held
         self.unchecked, self.streak = False, 0
         self._note(hazard)
         if hazard.check == "repetition" and row is not None and self.rung + 1 < len(self.rungs):

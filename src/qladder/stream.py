@@ -66,6 +66,7 @@ class TextStream(Generic[Tag]):
         self._pieces: list[bytes] = []
         self.released = 0  # tokens released so far
         self.hold = 0  # the last `hold` accepted tokens stay unreleased until the answer ends
+        self.whole = False  # the client is sent the whole answer at its end: what was released may be withdrawn
         self.text = ""  # their text
         self.stopped_at: int | None = None  # tokens kept when a stop string matched
 
@@ -80,6 +81,13 @@ class TextStream(Generic[Tag]):
         del self.ids[n:]
         del self.tags[n:]
         del self._pieces[n:]
+
+    def withdraw(self) -> None:
+        """Forget every token, released or not: only for an answer its client reads whole (`whole`),
+        which nothing of has been sent yet."""
+        assert self.whole, "a streamed answer's released tokens are the client's"
+        self.ids, self.tags, self._pieces = [], [], []
+        self.released, self.text, self.stopped_at = 0, "", None
 
     def keep_one_period(self, period: int) -> None:
         """An answer that ends on a loop of `period` tokens keeps one copy of the repeated pattern."""

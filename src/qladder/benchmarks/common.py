@@ -76,11 +76,18 @@ class AuditLog:
         self.engine = engine
         self._lock = threading.Lock()
         self._records: dict[str, Any] = {}
+        self._arrived: dict[str, float] = {}  # time.monotonic() when each record came
         engine.add_audit_observer(self._keep)
 
     def _keep(self, record: Any) -> None:
         with self._lock:
             self._records[record.request_id] = record
+            self._arrived[record.request_id] = time.monotonic()
+
+    def arrived(self, request_id: str) -> float | None:
+        """When the request's record came (time.monotonic(); None: not audited, or not yet)."""
+        with self._lock:
+            return self._arrived.get(request_id)
 
     def get(self, request_id: str) -> Any:
         """The request's AuditRecord (None: not audited, or not yet)."""

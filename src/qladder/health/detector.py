@@ -2,26 +2,35 @@
 
 A corruption of a server's weights is persistent: every answer it writes carries it, so it need
 not be caught in every answer, only found soon and for sure. Each audited answer gives one
-score `x` (qladder.audit: the mean over its INT4-written tokens of full precision's excess
-surprise, `-log p(token) - H(p)`, in nats; at or under 0 on average for clean answers, greedy or
-sampled, since a clean rung writes tokens full precision finds likely; large for salad, loops of
-what fp32 would not say, plausible wrong tokens). Per endpoint:
+score `x`, in nats, by its decoding mode (`Detector`, qladder.audit):
+
+    greedy    fp32_gap: the mean over its INT4-written tokens of fp32's top logprob minus fp32's
+              logprob of INT4's token. A clean greedy answer is fp32's argmax nearly everywhere
+              (about 0); a broken one writes tokens fp32 would not (0.3-8 nats on the patched
+              GGUFs, where the excess below stays near clean for attention-scale damage)
+    sampled   excess: the mean of -log p(token) - H(p), p fp32's distribution there. A sampled
+              token is judged by fp32's probability of it, not by argmax agreement: at or under
+              0 on average for a clean rung, large for salad and tokens fp32 would not say
+
+Each mode has its own test per endpoint (a greedy answer never moves the sampled test):
 
     S_0 = 0,  S_n = max(0, S_{n-1} + min(x_n - k, h / EVIDENCE)),  alarm when S_n >= h
 
 `k` (the reference) is a clean answer's score that clean traffic exceeds rarely (a quantile of the
-train half's clean scores): on clean traffic S drifts back to 0, and a broken endpoint's answers,
-most of them over k, push it up by about their excess each, at most h / EVIDENCE an answer, so
-no single answer alarms. `h` is set from a false-alarm rate chosen before any data is seen: the
-smallest h for which clean traffic (the train half's scores, drawn by a smoothed bootstrap so
-the tail past the largest score seen is drawn too) raises an alarm within `horizon` audited
-answers with at most that probability. `calibrate` does both; bench/calibrate_detector.py
-writes them, with every score they came from, to detector_calibration.json.
+train half's clean scores of that mode): on clean traffic S drifts back to 0, and a broken
+endpoint's answers, most of them over k, push it up by about their excess each, at most
+h / EVIDENCE an answer, so no single answer alarms. `h` is set from a false-alarm rate chosen
+before any data is seen, half of it each mode's: the smallest h for which clean traffic (the
+train half's scores, drawn by a smoothed bootstrap so the tail past the largest score seen is
+drawn too) raises an alarm within `horizon` audited answers with at most that probability.
+`calibrate` does both; bench/calibrate_detector.py writes them, with every score they came
+from, to detector_calibration.json.
 
 While S_n > 0 the endpoint is `suspect`: its audit rate goes to every answer until the test
-decides (back to 0: clean; over h: broken). An alarm ejects it; it returns after `probes`
-audited probe answers in a row score under k (half-open). Pure: no clock, no threads; the
-owner (one per gateway or engine) holds one `Cusum` per endpoint behind its own lock.
+decides (back to 0: clean; over h: broken). An alarm ejects the endpoint; it returns after
+`probes` audited probe answers in a row score under their mode's k (half-open, kept by its
+watch: serving/endpoint_watch.py). Pure: no clock, no threads; the owner (one per gateway or
+engine) holds the tests behind its own lock.
 """
 
 from __future__ import annotations
@@ -140,41 +149,86 @@ def calibrate(clean: Sequence[float] | np.ndarray, false_alarm: float = 1e-3, ho
 
 @dataclass
 class Cusum:
-    """One endpoint's test. `observe` an audited answer's score; read `state`."""
+    """One test (one endpoint, one decoding mode). `observe` an audited answer's score; read `state`
+    (WATCHED, SUSPECT or EJECTED: what brings an ejected endpoint back is its watch's probes)."""
 
     t: Thresholds
     s: float = 0.0
     state: State = State.WATCHED
     answers: int = 0  # audited answers observed
     alarms: int = 0
-    clean_probes: int = 0
     evidence: list[float] = field(default_factory=list)  # the scores since S last left 0 (an alarm's)
 
     def observe(self, x: float) -> State:
         """One audited answer's score (a NaN, an unscorable answer, counts as far over k: the
-        evidence a broken endpoint gives; no answer adds more than `cap`). Returns the new state."""
+        evidence a broken endpoint gives; no answer adds more than `cap`). Returns the new state;
+        an ejected test stays ejected until `reset`."""
         if math.isnan(x):
             x = self.t.k + self.t.cap
         self.answers += 1
-        if self.state in (State.EJECTED, State.PROBING):
-            self.clean_probes = self.clean_probes + 1 if x < self.t.k else 0
-            self.state = State.PROBING
-            if self.clean_probes >= self.t.probes:
-                self.s, self.clean_probes, self.evidence, self.state = 0.0, 0, [], State.WATCHED
+        if self.state is State.EJECTED:
             return self.state
         self.s = max(0.0, self.s + min(x - self.t.k, self.t.cap))
         self.evidence = [*self.evidence, x] if self.s > 0 else []
         if self.s >= self.t.h:
             self.alarms += 1
-            self.state, self.clean_probes = State.EJECTED, 0
+            self.state = State.EJECTED
         else:
             self.state = State.SUSPECT if self.s > 0 else State.WATCHED
         return self.state
 
+    def reset(self) -> None:
+        """Back to 0 (its endpoint's probes brought it back), its counts kept."""
+        self.s, self.evidence, self.state = 0.0, [], State.WATCHED
+
+    def clean(self, x: float) -> bool:
+        """Whether a score is a clean answer's (under k; a NaN is not): what a probe must show."""
+        return not math.isnan(x) and x < self.t.k
+
     @property
     def audit_every_answer(self) -> bool:
-        """Whether every answer of this endpoint should be audited (suspect, or probing back)."""
+        """Whether every answer of this endpoint should be audited (the test has not decided)."""
         return self.state is not State.WATCHED
+
+
+@dataclass(frozen=True)
+class Detector:
+    """An endpoint's two tests: greedy answers scored by fp32's gap (qladder.audit: the mean of
+    fp32's top logprob minus its logprob of INT4's token; about 0 for a clean greedy answer,
+    which is fp32's argmax nearly everywhere), sampled answers by fp32's excess surprise (a
+    sampled token is judged by fp32's probability of it: about or under 0 for a clean sampled
+    answer). Each its own CUSUM, its thresholds calibrated on its mode's clean scores at half the
+    false-alarm rate, so the endpoint's chance of a false alarm is at most their sum whatever the
+    mix of greedy and sampled traffic."""
+
+    greedy: Thresholds
+    sampled: Thresholds
+
+    def of(self, greedy: bool) -> Thresholds:
+        return self.greedy if greedy else self.sampled
+
+    @property
+    def false_alarm(self) -> float:
+        """The endpoint's false-alarm bound (the union of its two tests' within their horizons)."""
+        return self.greedy.false_alarm + self.sampled.false_alarm
+
+    @property
+    def probes(self) -> int:
+        return max(self.greedy.probes, self.sampled.probes)
+
+    def to_dict(self) -> dict[str, dict[str, float | int]]:
+        return {"greedy": self.greedy.to_dict(), "sampled": self.sampled.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Detector:
+        def one(x: dict[str, Any]) -> Thresholds:
+            return Thresholds(**{f.name: x[f.name] for f in fields(Thresholds) if f.name in x})
+        return cls(one(d["greedy"]), one(d["sampled"]))
+
+
+def answer_score(greedy: bool, fp32_gap: float | None, excess: float | None) -> float | None:
+    """The score an audited answer gives its mode's test (None: unscorable)."""
+    return fp32_gap if greedy else excess
 
 
 CALIBRATION = Path(__file__).with_name("detector_calibration.json")
@@ -186,11 +240,10 @@ def _calibration() -> dict[str, Any]:
     return dict(json.loads(CALIBRATION.read_text(encoding="utf-8")))
 
 
-def committed() -> Thresholds:
+def committed() -> Detector:
     """The thresholds calibrated on the embedded model's train-half clean traffic
     (bench/calibrate_detector.py wrote detector_calibration.json beside this module)."""
-    d = _calibration()["thresholds"]
-    return Thresholds(**{f.name: d[f.name] for f in fields(Thresholds)})
+    return Detector.from_dict(_calibration()["thresholds"])
 
 
 def committed_drift_bound() -> float:

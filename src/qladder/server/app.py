@@ -192,7 +192,7 @@ def create_app(gw: Gateway, api_keys: frozenset[str] = frozenset(), max_body_byt
         chat = isinstance(body, ChatCompletionRequest)
         try:
             prepared = gw.prepare_chat(body) if isinstance(body, ChatCompletionRequest) else gw.prepare_completion(body)
-            req, served = gw.admit(prepared)
+            req, served = gw.admit(prepared, streamed=bool(body.stream))
             try:
                 agen = gw.client.generate(req)
             except BaseException:

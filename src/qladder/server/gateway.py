@@ -174,8 +174,9 @@ class Gateway:
         cls = classify(text, any(r.changed for r in reports))
         return Prepared(ids, text, reports, params, faults, self._return_ids(body), self._verified(body, cls), cls)
 
-    def admit(self, p: Prepared) -> tuple[Request, fmt.Served]:
-        """Route and build the engine request (nothing is submitted yet)."""
+    def admit(self, p: Prepared, streamed: bool = True) -> tuple[Request, fmt.Served]:
+        """Route and build the engine request (nothing is submitted yet; `streamed`: the client
+        reads the answer as it is written, else whole at its end)."""
         if self.draining:
             raise Draining("the server is shutting down")
         fp = prompt_hash(p.prompt_ids)
@@ -188,7 +189,7 @@ class Gateway:
         req = self.client.request(p.prompt_ids, p.params, request_id=rid, faults=p.faults,
                                   prompt_text=p.prompt_text, start_rung=route.start_rung,
                                   flagged=any(r.changed for r in p.reports), verified=p.verified,
-                                  prompt_class=p.prompt_class)
+                                  prompt_class=p.prompt_class, streamed=streamed)
         with self._routes_lock:
             self._routes[rid] = (route, fp, False)
         self.metrics.routes.labels(route.pool, route.reason.split(":")[0]).inc()

@@ -118,12 +118,12 @@ class ServerMetrics:
 
     def watch_detector(self, stats: Callable[[], dict[str, float]], endpoints: Sequence[str]) -> None:
         """The audit's test per INT4 endpoint, read at scrape time: its state (0 watched, 1 suspect,
-        2 ejected, 3 probing) and CUSUM statistic."""
+        2 ejected, 3 probing) and CUSUM statistic (a share of its bound)."""
         state = Gauge("qladder_endpoint_state", "The audit's test on an INT4 endpoint: 0 watched, 1 suspect "
                       "(every answer audited), 2 ejected (full precision serves its requests), 3 probing",
                       ["endpoint"], registry=self.registry)
-        statistic = Gauge("qladder_endpoint_statistic", "The audit's CUSUM statistic on an INT4 endpoint "
-                          "(nats of excess surprise over the reference, summed; alarm at its bound)",
+        statistic = Gauge("qladder_endpoint_statistic", "The audit's CUSUM on an INT4 endpoint, the nearer of "
+                          "its greedy and sampled tests to its bound, as a share of it (1 ejects)",
                           ["endpoint"], registry=self.registry)
 
         def read(key: str) -> Callable[[], float]:

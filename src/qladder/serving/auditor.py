@@ -1,9 +1,12 @@
 """The standby's drift audits (qladder.audit): jobs queued by finished INT4 answers, run in the
 turns the standby has nothing else to do, one chunk of `chunk` tokens a turn, so a handoff that
-arrives meanwhile waits at most one chunk. Owned by the standby's worker thread; `offer`,
-`pending` and `spent` are the calls from other threads (a bounded deque behind a lock: a full
-queue drops the oldest job, counted; the chunks' core-seconds over the last SPENT_WINDOW_S behind
-the same lock: what the engine's audit budget reads)."""
+arrives meanwhile waits at most one chunk (and, while handoffs keep it busy, in a bounded share
+of its turns: serving/standby.py). Urgent jobs (an answer of an endpoint whose test has not
+decided, or an ejected one's probe: what decides an alarm) run first, in order; then the newest
+ordinary job (under a backlog the freshest evidence, not the oldest). Owned by the standby's
+worker thread; `offer`, `pending` and `spent` are the calls from other threads (two bounded
+deques behind a lock: a full one drops its oldest job, counted; the chunks' core-seconds over the
+last SPENT_WINDOW_S behind the same lock: what the engine's audit budget reads)."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ class Auditor:
                  chunk: int = 64):
         self.engine, self.on_record, self.chunk = engine, on_record, chunk
         self._jobs: deque[AuditJob] = deque()
+        self._urgent: deque[AuditJob] = deque()
         self._max = max_jobs
         self._lock = threading.Lock()
         self.dropped = 0  # jobs dropped from a full queue
@@ -42,16 +46,17 @@ class Auditor:
     # -- any thread ------------------------------------------------------------------------------
     def offer(self, job: AuditJob) -> None:
         with self._lock:
-            if len(self._jobs) >= self._max:
-                self._jobs.popleft()
+            jobs = self._urgent if job.urgent else self._jobs
+            if len(jobs) >= self._max:
+                jobs.popleft()
                 self.dropped += 1
-            self._jobs.append(job)
+            jobs.append(job)
 
     @property
     def runnable(self) -> bool:
         """A chunk can run now: a job under way, or one waiting and a free session slot for it."""
         with self._lock:
-            waiting = bool(self._jobs)
+            waiting = bool(self._jobs or self._urgent)
         return self._job is not None or (waiting and self.engine.free_slots > 0)
 
     def charge(self, now: float, core_s: float) -> None:
@@ -69,16 +74,18 @@ class Auditor:
     @property
     def pending(self) -> int:
         with self._lock:
-            return len(self._jobs) + (self._job is not None or self._delivering)
+            return len(self._jobs) + len(self._urgent) + (self._job is not None or self._delivering)
 
     # -- the standby's thread --------------------------------------------------------------------
-    def step(self) -> bool:
-        """One chunk of the current job (starting the next when none is current). False: no work."""
+    def step(self, chunk: int | None = None) -> bool:
+        """One chunk (`chunk` tokens, default the auditor's) of the current job (starting the next
+        when none is current). False: no work."""
         if self._job is None and not self._start():
             return False
         job, s = self._job, self._session
         assert job is not None and s is not None
-        ids, self._feed = self._feed[: self.chunk], self._feed[self.chunk:]
+        n = chunk or self.chunk
+        ids, self._feed = self._feed[:n], self._feed[n:]
         n_rows = min(len(ids), max(0, len(job.answer_ids) - sum(len(r) for r in self._rows)
                                    - len(self._feed)))
         try:
@@ -104,14 +111,20 @@ class Auditor:
 
     def _start(self) -> bool:
         with self._lock:
-            if not self._jobs:
+            if self._urgent:
+                job = self._urgent.popleft()
+            elif self._jobs:
+                job = self._jobs.pop()
+            else:
                 return False
-            job = self._jobs.popleft()
         try:
             self._session = self.engine.reserve(job.prompt_ids)
         except EngineError:  # no slot free: try again at the next idle turn
             with self._lock:
-                self._jobs.appendleft(job)
+                if job.urgent:
+                    self._urgent.appendleft(job)
+                else:
+                    self._jobs.append(job)
             return False
         self._job = job
         self._feed = [*self._session.take_pending(), *job.answer_ids[:-1]]

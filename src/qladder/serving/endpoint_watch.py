@@ -1,18 +1,21 @@
-"""The audit's verdict on each endpoint that writes INT4 answers: one `Cusum` (health/detector.py)
-per endpoint, fed the audit's records, read by whoever routes requests there.
+"""The audit's verdict on each endpoint that writes INT4 answers: two `Cusum`s (health/detector.py)
+per endpoint, one a decoding mode (greedy answers scored by fp32's gap, sampled by the excess:
+`Detector`), fed the audit's records, read by whoever routes requests there.
 
     record(AuditRecord)   the auditor's observer (the standby's thread): the record's endpoint
-                          (`AuditRecord.pool`) takes its score (`excess`; an answer of fewer
-                          than MIN_TOKENS tokens is not evidence either way); an alarm or a return
-                          is announced to the observers, outside the lock
-    audit_all(endpoint)   suspect (the test has not decided) or probing: audit every answer
-    ejected(endpoint)     the test decided it is broken and no clean probes brought it back
+                          (`AuditRecord.pool`) takes its score in its mode's test (an answer of
+                          fewer than MIN_TOKENS tokens is not evidence either way); an alarm or
+                          a return is announced to the observers, outside the lock
+    audit_all(endpoint)   suspect (a test has not decided) or ejected: audit every answer
+    ejected(endpoint)     a test decided it is broken and no clean probes brought it back
     probe_due(endpoint)   ejected, and no probe answer out for `probe_every_s` (injected clock):
                           the caller sends one (an answer nobody is shown, audited), `probed` it
 
-Each endpoint's statistic, state and the evidence since its statistic last left 0 (the audited
-request ids and their scores) are kept together behind one lock; the observers get an `Alarm`
-(an incident, a metric, a log line are theirs to write).
+An ejected endpoint comes back after `probes` audited answers in a row (probes, whatever their
+mode) score under their mode's k: both tests start again from 0. Each endpoint's tests, state
+and the evidence since the ejecting test's statistic last left 0 (the audited request ids and
+their scores) are kept together behind one lock; the observers get an `Alarm` (an incident, a
+metric, a log line are theirs to write).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from qladder.audit import AuditRecord
-from qladder.health.detector import MIN_TOKENS, Cusum, State, Thresholds
+from qladder.health.detector import MIN_TOKENS, Cusum, Detector, State
 
 
 @dataclass(frozen=True)
@@ -37,19 +40,25 @@ class Alarm:
     answers: int  # audited answers of the endpoint so far
     evidence: tuple[tuple[str, float], ...]  # (request id, score) since the statistic last left 0
     ts: float
+    mode: str = ""  # the test that decided ("greedy" or "sampled"; "" for a return)
 
 
 @dataclass
 class _Endpoint:
-    test: Cusum
-    evidence: list[tuple[str, float]] = field(default_factory=list)
+    tests: dict[bool, Cusum]  # greedy?: its test
+    evidence: dict[bool, list[tuple[str, float]]] = field(default_factory=lambda: {True: [], False: []})
+    out: bool = False  # ejected (a test decided), until clean probes bring it back
+    probing: bool = False  # out, and a probe answer has been audited
+    clean_probes: int = 0
+    answers: int = 0
+    alarms: int = 0
     probe_at: float = float("-inf")  # when the last probe went out
 
 
 class EndpointWatch:
-    def __init__(self, thresholds: Thresholds, probe_every_s: float = 5.0,
+    def __init__(self, detector: Detector, probe_every_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
-        self.t = thresholds
+        self.detector = detector
         self.probe_every_s = probe_every_s
         self.clock, self.wall = clock, wall
         self._lock = threading.Lock()
@@ -59,26 +68,35 @@ class EndpointWatch:
     def _get(self, endpoint: str) -> _Endpoint:
         e = self._endpoints.get(endpoint)
         if e is None:
-            e = self._endpoints[endpoint] = _Endpoint(Cusum(self.t))
+            e = self._endpoints[endpoint] = _Endpoint({g: Cusum(self.detector.of(g)) for g in (True, False)})
         return e
 
     def record(self, r: AuditRecord) -> Alarm | None:
         """One audited answer of endpoint `r.pool`. Returns (and announces) an alarm or a return."""
-        if r.excess is None or r.tokens < MIN_TOKENS:  # unscorable, or too short to be evidence
+        x = r.score
+        if x is None or r.tokens < MIN_TOKENS:  # unscorable, or too short to be evidence
             return None
         with self._lock:
             e = self._get(r.pool)
-            before = e.test.state
-            after = e.test.observe(r.excess)
-            out = before in (State.EJECTED, State.PROBING)
-            if not out:
-                e.evidence = [*e.evidence, (r.request_id, r.excess)] if e.test.s > 0 else []
+            e.answers += 1
+            test = e.tests[r.greedy]
             alarm = None
-            if after is State.EJECTED and not out:
-                alarm = Alarm(r.pool, False, e.test.s, self.t.h, e.test.answers, tuple(e.evidence), self.wall())
-            elif out and after is State.WATCHED:
-                alarm = Alarm(r.pool, True, 0.0, self.t.h, e.test.answers, (), self.wall())
-                e.evidence = []
+            if e.out:  # a probe (or an answer begun before the ejection): clean ones bring it back
+                e.probing = True
+                e.clean_probes = e.clean_probes + 1 if test.clean(x) else 0
+                if e.clean_probes >= self.detector.probes:
+                    for t in e.tests.values():
+                        t.reset()
+                    e.out, e.probing, e.clean_probes = False, False, 0
+                    e.evidence = {True: [], False: []}
+                    alarm = Alarm(r.pool, True, 0.0, test.t.h, e.answers, (), self.wall())
+            else:
+                test.observe(x)
+                e.evidence[r.greedy] = [*e.evidence[r.greedy], (r.request_id, x)] if test.s > 0 else []
+                if test.state is State.EJECTED:
+                    e.out, e.alarms = True, e.alarms + 1
+                    alarm = Alarm(r.pool, False, test.s, test.t.h, e.answers, tuple(e.evidence[r.greedy]),
+                                  self.wall(), "greedy" if r.greedy else "sampled")
         if alarm is not None:
             for observe in tuple(self.observers):
                 observe(alarm)
@@ -87,25 +105,32 @@ class EndpointWatch:
     def audit_all(self, endpoint: str) -> bool:
         with self._lock:
             e = self._endpoints.get(endpoint)
-            return e is not None and e.test.audit_every_answer
+            return e is not None and (e.out or any(t.audit_every_answer for t in e.tests.values()))
 
     def ejected(self, endpoint: str) -> bool:
         with self._lock:
             e = self._endpoints.get(endpoint)
-            return e is not None and e.test.state in (State.EJECTED, State.PROBING)
+            return e is not None and e.out
 
     def probe_due(self, endpoint: str) -> bool:
         """Ejected and no probe sent for `probe_every_s`: marks one sent (the caller sends it)."""
         now = self.clock()
         with self._lock:
             e = self._endpoints.get(endpoint)
-            if e is None or e.test.state not in (State.EJECTED, State.PROBING) or now - e.probe_at < self.probe_every_s:
+            if e is None or not e.out or now - e.probe_at < self.probe_every_s:
                 return False
             e.probe_at = now
             return True
 
     def snapshot(self) -> dict[str, dict[str, float | str]]:
-        """Each endpoint's state, statistic, audited answers and alarms."""
+        """Each endpoint's state, statistic (the nearer of its two tests to its bound, as a share
+        of it: 1 ejects), audited answers and alarms."""
         with self._lock:
-            return {k: {"state": e.test.state.value, "statistic": e.test.s, "answers": e.test.answers,
-                        "alarms": e.test.alarms} for k, e in self._endpoints.items()}
+            return {k: {"state": self._state(e).value, "statistic": max(t.s / t.t.h for t in e.tests.values()),
+                        "answers": e.answers, "alarms": e.alarms} for k, e in self._endpoints.items()}
+
+    @staticmethod
+    def _state(e: _Endpoint) -> State:
+        if e.out:
+            return State.PROBING if e.probing else State.EJECTED
+        return State.SUSPECT if any(t.audit_every_answer for t in e.tests.values()) else State.WATCHED

@@ -43,7 +43,7 @@ from qladder.engines.remote_llama import LlamaServerRung
 from qladder.engines.remote_vllm import VllmRung
 from qladder.engines.replicas import Replicas
 from qladder.errors import ConfigError, InputError, QueueFullError, check_prompt_fits
-from qladder.health.detector import Thresholds
+from qladder.health.detector import Detector
 from qladder.health.guard import StepGuard
 from qladder.incidents import Incident, IncidentSink
 from qladder.machine import RequestMachine
@@ -132,7 +132,7 @@ class ServingConfig:
     # suspect INT4 pool has every answer audited until the test decides; an ejected one's requests
     # are the standby's from their first token, and the pool is probed (an unshown INT4 answer to
     # a real prompt, audited) at most every `probe_every_s` until clean probes bring it back.
-    detector: Thresholds | None = None
+    detector: Detector | None = None
     probe_every_s: float = 5.0
 
 
@@ -230,11 +230,17 @@ class ServingEngine:
         self.scheduler: Int4Scheduler | RemotePool
         if self.remote is not None and 0 in remote:
             self.scheduler = self.remote
+            if self.watch is not None and self.standby is not None:  # an ejected endpoint's answers leave it at once
+                watch, only = self.watch, self.int4_endpoints[0]
+                self.remote.ejected = lambda e: watch.ejected(e if e is not None else only)
         else:
             assert isinstance(self.int4, BatchedLlamaCpp)
             self.scheduler = Int4Scheduler(self.int4, self.handoffs if standby_engines else None, self.aborts,
                                            c.scheduler, clock=clock, cores=self.cores)
             self.scheduler.standby_threads = c.standby_threads if self.standby is not None else 0
+            if self.watch is not None and self.standby is not None:  # an ejected pool's answers leave it at once
+                name, watch = self.int4.name, self.watch
+                self.scheduler.ejected = lambda: watch.ejected(name)
             if self.standby is not None:
                 self.scheduler.keep_drafting = self._keep_drafting
                 self.scheduler.left_drafting = self._drafted
@@ -258,11 +264,11 @@ class ServingEngine:
     def request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                 request_id: str | None = None, faults: Sequence[Fault] = (), prompt_text: str | None = None,
                 ladder: LadderConfig | None = None, start_rung: int = 0, flagged: bool = False,
-                verified: bool = False, prompt_class: str | None = None) -> Request:
+                verified: bool = False, prompt_class: str | None = None, streamed: bool = True) -> Request:
         """A Request with a fresh id (token ids already sanitized and templated)."""
         return Request(request_id or uuid.uuid4().hex[:16], tuple(int(t) for t in prompt_ids),
                        params or SamplingParams(), tuple(faults), prompt_text, ladder, start_rung, flagged,
-                       verified, prompt_class)
+                       verified, prompt_class, streamed)
 
     def _check(self, r: Request) -> None:
         if r.faults and not self.config.allow_faults:
@@ -354,12 +360,12 @@ class ServingEngine:
         endpoint's probe (in-process: a machine on the pool; a replica: asked of it alone,
         serving/remote_probe.py)."""
         probe = Request(f"probe-{uuid.uuid4().hex[:12]}", r.prompt_ids, SamplingParams(max_tokens=min(
-            r.params.max_tokens, 64)), prompt_text=r.prompt_text, prompt_class=r.prompt_class)
+            r.params.max_tokens, 64)), prompt_text=r.prompt_text, prompt_class=r.prompt_class, probe=True)
         if not isinstance(self.int4, BatchedLlamaCpp):
             assert self.remote is not None and self.standby is not None
             rung = self.int4.endpoint(endpoint) if isinstance(self.int4, Replicas) else self.int4
             trail = AuditTrail(probe.request_id, r.prompt_class or classify(r.prompt_text), endpoint,
-                               self.standby.audit)
+                               self.standby.audit, urgent=True)
             self.remote.spawn(functools.partial(probe_answer, rung, probe, trail))
             self.probes += 1
             return
@@ -381,16 +387,17 @@ class ServingEngine:
         audited evidence, and the alarm observers (metrics)."""
         if a.returned:
             _log.warning("endpoint %s is back: %d clean probe answers in a row (after %d audited answers)",
-                         a.endpoint, self.watch.t.probes if self.watch else 0, a.answers)
+                         a.endpoint, self.watch.detector.probes if self.watch else 0, a.answers)
         else:
-            _log.warning("endpoint %s ejected: the audit's CUSUM reached %.2f (bound %.2f) after %d audited "
+            _log.warning("endpoint %s ejected: the audit's %s CUSUM reached %.2f (bound %.2f) after %d audited "
                          "answers; its requests go to %s until probes pass; evidence %s",
-                         a.endpoint, a.statistic, a.threshold, a.answers,
+                         a.endpoint, a.mode, a.statistic, a.threshold, a.answers,
                          "its healthy siblings (none left: the standby)" if isinstance(self.int4, Replicas)
                          else "the standby",
                          ", ".join(f"{rid} {x:+.2f}" for rid, x in a.evidence[-8:]))
             if self.incidents is not None:
-                detail = json.dumps({"evidence": [[rid, x] for rid, x in a.evidence], "answers": a.answers})
+                detail = json.dumps({"evidence": [[rid, x] for rid, x in a.evidence], "answers": a.answers,
+                                     "test": a.mode})
                 hazard = Hazard("audit", a.endpoint, 0, a.statistic, a.threshold, detail=detail)
                 rid = a.evidence[-1][0] if a.evidence else "audit"
                 try:
@@ -464,7 +471,7 @@ class ServingEngine:
                 and (under_test or selected(r.request_id, self._audit_share()))):
             assert self.standby is not None
             audit = AuditTrail(r.request_id, r.prompt_class or classify(r.prompt_text), self.int4_endpoints[0],
-                               self.standby.audit, greedy=r.params.greedy)
+                               self.standby.audit, greedy=r.params.greedy, urgent=under_test)
         return RequestMachine(r, self.rungs, self.n_ctx, self.int4.eos_ids, self.int4.detokenize_bytes,
                               ladder, guard, self.incidents, emit, self.clock, audit)
 
@@ -575,11 +582,12 @@ class ServingEngine:
 
     def _watch_stats(self) -> dict[str, float]:
         """The endpoint detector's per-endpoint state (0 watched, 1 suspect, 2 ejected, 3 probing),
-        statistic and alarms, and the probes sent."""
+        statistic (its nearer test's, as a share of that test's bound) and alarms, the probes sent,
+        and the answers withdrawn from an endpoint as it was ejected."""
         if self.watch is None:
             return {}
         codes = {"watched": 0.0, "suspect": 1.0, "ejected": 2.0, "probing": 3.0}
-        out: dict[str, float] = {"probes": float(self.probes)}
+        out: dict[str, float] = {"probes": float(self.probes), "withdrawn": float(self.scheduler.withdrawn)}
         seen: dict[str, dict[str, float | str]] = {
             **{e: {"state": "watched", "statistic": 0.0, "alarms": 0.0} for e in self.int4_endpoints},
             **self.watch.snapshot()}

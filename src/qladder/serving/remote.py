@@ -104,6 +104,10 @@ class RemotePool:
         self.checks = {"passed": 0, "refused": 0, "unchecked": 0, "skipped": 0}
         self.verified = {"windows": 0, "drafted": 0, "stood": 0}  # verified decoding (remote_verified.py)
         self.bugs: list[BaseException] = []
+        # set by the serving engine: whether the audit's test ejected rung 0's endpoint (a replica's
+        # URL; None: the rung's only one), read on the loop's thread before each of its tokens
+        self.ejected: Callable[[str | None], bool] | None = None
+        self.withdrawn = 0  # answers taken off an endpoint the audit ejected mid-answer
         self._n = 0
         self._on: dict[int, int] = dict.fromkeys(self.rungs, 0)  # requests streaming per rung (loop thread)
         self._lock = threading.Lock()  # guards _n (submitting threads, the loop)
@@ -298,6 +302,8 @@ class RemotePool:
             return None
         n_check = self._hold_window(visit, j)
         prompt = self.prefills[j].sent(len(m.context))
+        watched = j == 0 and self.ejected is not None and not m.req.probe
+        endpoint: str | None = None  # the replica writing what follows (RemoteAt)
         stream = rung.stream(self._client, m.context, m.params, max(1, m.params.max_tokens - m.step))
         try:
             async with contextlib.aclosing(stream) as items:
@@ -322,12 +328,19 @@ class RemotePool:
                     if isinstance(item, RemoteAt):  # which replica writes what follows (the audit's endpoint)
                         if j == 0:
                             m.served_by(item.endpoint)
+                            endpoint = item.endpoint
                         continue
                     if isinstance(item, RemoteResumed):  # a replica died: its sibling prefills the context
                         m.rec.migrated()
                         prompt.resent(len(m.context))
                         last = self.clock()
                         continue
+                    if watched and self.ejected is not None and self.ejected(endpoint):
+                        # the audit ejected the endpoint writing it: the rest is the standby's (an
+                        # answer its client reads whole starts again there: machine.on_hazard)
+                        self.withdrawn += 1
+                        return Hazard("audit", m.rungs[m.rung], m.step,
+                                      detail=f"the audit ejected {endpoint or rung.name}")
                     was_first = patient
                     if prompt.answered():
                         self._set_healthy(j, True)

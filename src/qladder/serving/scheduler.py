@@ -112,6 +112,9 @@ class Int4Scheduler:
         self.keep_drafting: Callable[[str], bool] | None = None  # set by the serving engine (its policy)
         self.stopped_drafting = 0  # verified requests that went on at the verifying rung alone
         self.left_drafting: Callable[[str], None] | None = None  # tells the engine's policy
+        # set by the serving engine: whether the audit's test ejected this pool (read on this thread)
+        self.ejected: Callable[[], bool] | None = None
+        self.withdrawn = 0  # answers taken off the pool when it was ejected (_withdraw)
         self.standby = standby
         self.aborts = aborts
         self.config = config or SchedulerConfig()
@@ -230,6 +233,8 @@ class Int4Scheduler:
         while not self._stop:
             self._take_inbox()
             self._drop_aborted()
+            if self.ejected is not None and (self._slots or self._waiting) and self.ejected():
+                self._withdraw()
             if not self.healthy and self.clock() - self._last_probe > self.config.probe_every_s:
                 self._probe()
             self._admit()
@@ -324,6 +329,25 @@ class Int4Scheduler:
         action = m.on_hazard(hazard, None)
         if not isinstance(action, Done):
             self._to_standby(m, action)
+
+    def _withdraw(self) -> None:
+        """The audit's test ejected this pool: every answer it is writing or about to (a verified
+        one's drafts aside: its verifying rung decides them; and its probes) leaves for the standby now, as an
+        `audit` hazard. An answer its client reads whole starts again there with none of INT4's
+        tokens in it (machine.on_hazard); a streamed one goes on from what its client was sent."""
+        def hazard(s: _Slot) -> Hazard:
+            return Hazard("audit", s.m.rungs[0], s.m.step, detail="the audit ejected the INT4 pool writing it")
+        for s in [s for s in self._slots.values() if s.drafts is None and s.m.rung == 0 and not s.m.req.probe]:
+            self.withdrawn += 1
+            self._leave(s, s.m.on_hazard(hazard(s), None))
+        for s in [s for s in self._waiting if s.drafts is None and s.m.rung == 0 and not s.returning
+                  and not s.m.req.probe]:
+            self._waiting.remove(s)
+            self._count(-1)
+            self.withdrawn += 1
+            action = s.m.on_hazard(hazard(s), None)
+            if not isinstance(action, Done):
+                self._to_standby(s.m, action)
 
     def _drop_aborted(self) -> None:
         for s in [s for s in self._waiting if self.aborts.is_aborted(s.m.request_id)]:

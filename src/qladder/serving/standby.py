@@ -49,6 +49,11 @@ _log = logging.getLogger("qladder.standby")
 # What a forward gives a task: its rows, the last row's StepOutput (with the forward's peaks) and
 # the time a deadline sees; or the engine's failure.
 Rows = tuple[torch.Tensor, StepOutput, float] | StepFailed
+# While requests keep the standby busy, the audit runs chunks of BUSY_CHUNK tokens in at most
+# BUSY_SHARE of its time (an idle standby audits in chunks of the auditor's size).
+BUSY_SHARE, BUSY_CHUNK = 0.2, 16
+
+
 class _Wake:
     """An inbox item that only wakes the worker (a drift audit was queued)."""
 
@@ -114,6 +119,7 @@ class StandbyPool:
         # verified requests' sessions between windows, and the rung each is on
         self._kept: dict[str, tuple[RequestMachine, Session, int]] = {}
         self._n_handoffs = 0
+        self._busy_s = self._busy_audit_s = 0.0  # this busy spell's requests' and audit's time (_audit_turn)
         self.waits_ms: deque[float] = deque(maxlen=1024)  # queue wait of recent handoffs
         self.forwards = 0  # batched forwards run
         self.windows = 0  # draft windows decided
@@ -190,10 +196,11 @@ class StandbyPool:
             if self.cores is not None:
                 self.cores.standby_turn(bool(self._active or (self.auditor and self.auditor.runnable)), self.clock())
             try:
+                busy, t0 = bool(self._active), self.clock()
                 self._turn()
                 self._n_handoffs = self._handoffs()
-                if not self._active and not self._waiting and self.auditor is not None:
-                    self._audit_chunk(self.auditor)
+                if self.auditor is not None:
+                    self._audit_turn(self.auditor, self.clock() - t0 if busy else 0.0)
             except Exception as exc:  # a bug in our code: every request of the turn still gets an
                 _log.exception("the standby failed")  # answer, and close() raises
                 self.bugs.append(exc)
@@ -203,16 +210,32 @@ class StandbyPool:
                     self._back(t)
                 self._active.clear()
 
-    def _audit_chunk(self, auditor: Auditor) -> None:
-        """One chunk of a drift audit, in a turn with nothing else to do (on the leased cores)."""
+    def _audit_turn(self, auditor: Auditor, turn_s: float) -> None:
+        """After a turn that took `turn_s` of requests' work: an audit chunk if nothing else is
+        waiting, or, while requests keep the standby busy, a BUSY_CHUNK one whenever the audit's
+        time so far in this busy spell is under BUSY_SHARE of the requests' (so the floor always
+        runs, and a suspect endpoint's audits, first in the queue, decide under a stream of
+        handoffs; a handoff's tokens are slowed by at most that share)."""
+        if not self._active and not self._waiting:
+            self._busy_s = self._busy_audit_s = 0.0
+            self._audit_chunk(auditor)
+            return
+        self._busy_s += turn_s
+        if auditor.runnable and self._busy_audit_s <= BUSY_SHARE * self._busy_s:
+            self._busy_audit_s += self._audit_chunk(auditor, BUSY_CHUNK)
+
+    def _audit_chunk(self, auditor: Auditor, chunk: int | None = None) -> float:
+        """One chunk of a drift audit (on the leased cores). Returns its time."""
         leased = self._lease()
         t0 = self.clock()
         try:
-            auditor.step()
+            auditor.step(chunk)
         finally:
             if leased and self.cores is not None:
                 self.cores.release(leased)
-            auditor.charge(self.clock(), (self.clock() - t0) * (leased or self.threads))
+            took = self.clock() - t0
+            auditor.charge(self.clock(), took * (leased or self.threads))
+        return took
 
     def _handoffs(self) -> int:
         return sum(t.handoff for t in self._active)

@@ -51,6 +51,30 @@ def test_score_reads_agreement_divergence_kl_and_gap_from_the_rows():
     assert unlikely.excess is not None and unlikely.excess > 9.0
 
 
+def test_a_trail_asks_whether_its_answer_is_urgent_once_its_endpoint_is_known():
+    """A pool of replicas: which one writes an answer is known at its first token, whether that
+    one is suspect at its end; an answer not chosen for the audit's share is audited only then."""
+    jobs: list[AuditJob] = []
+    suspect = {"http://b"}
+    top = ((1, -0.1), (2, -2.0), (3, -3.0), (4, -4.0), (5, -5.0))
+    for rid, endpoint, chosen in (("a", "http://a", False), ("b", "http://b", False), ("c", "http://a", True)):
+        t = AuditTrail(rid, "chat", "http://a", jobs.append, urgent=lambda e: e in suspect, chosen=chosen)
+        t.at(endpoint)
+        t.add_top(1, top)
+        t.done([9], [1])
+    assert [(j.request_id, j.pool, j.urgent) for j in jobs] == [("b", "http://b", True), ("c", "http://a", False)]
+    assert jobs[0].top == () and len(jobs[1].top) == 1  # a light trail keeps no top-5: no KL estimate
+    r = score(jobs[0], torch.zeros(1, 8))
+    assert math.isnan(r.kl_top5) and r.fp32_gap == 0.0 and r.score == 0.0
+    # in-band suspicion: an answer that left INT4 on a hazard is audited at once, urgently, and once
+    t = AuditTrail("h", "chat", "int4", jobs.append, chosen=False)
+    for _ in range(3):
+        t.add(torch.zeros(8))
+    t.done([9], [1, 2, 3], suspicious=True)
+    t.done([9], [1, 2, 3, 4])  # (the answer's end: already sent)
+    assert [(j.request_id, j.answer_ids, j.urgent) for j in jobs[2:]] == [("h", (1, 2, 3), True)]
+
+
 def test_a_remote_answers_trail_is_its_endpoints_and_scores_over_the_servers_top_k():
     """A llama-server token's top-k (n_probs 4, nulls on a NaN row) padded to 5 with
     zero-probability entries; the trail takes the endpoint named before its first token; an answer
@@ -338,6 +362,21 @@ def test_the_auditor_scores_urgent_jobs_first_in_order_then_the_newest_ordinary_
     while a.step(16):
         pass
     assert engine.chunks == [16, 16, 10] and done[-1] == "long"  # prompt (3) + 39 answer ids fed
+    # an urgent job that comes while an ordinary one is under way sets it aside, and it goes on after
+    a.offer(job("ordinary", n=40))
+    assert a.step(16) and a.pending == 1
+    a.offer(job("u3", urgent=True))
+    assert a.pending == 2
+    while a.step(16):
+        pass
+    assert done[-2:] == ["u3", "ordinary"] and a.pending == 0 and engine.free_slots == 4
+    # an ordinary job of an endpoint that turned suspect since it was queued goes before newer ones
+    a.prefer = lambda endpoint: endpoint == "replica-b"
+    a.offer(AuditJob("of-b", "chat", "replica-b", (1,), (0, 1), (((0, -1.0),) * 5,) * 2))
+    a.offer(job("newer"))
+    while a.step():
+        pass
+    assert done[-2:] == ["of-b", "newer"]
 
 
 @pytest.mark.slow

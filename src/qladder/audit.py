@@ -67,7 +67,7 @@ class AuditJob:
     pool: str
     prompt_ids: tuple[int, ...]
     answer_ids: tuple[int, ...]  # the INT4-written part of the answer
-    top: tuple[tuple[tuple[int, float], ...], ...]  # INT4's top-5 (id, logprob) at each of them
+    top: tuple[tuple[tuple[int, float], ...], ...]  # INT4's top-5 (id, logprob) at each of them (() light)
     greedy: bool = True  # the answer was decoded greedily (its agreement with fp32's argmax means something)
     urgent: bool = False  # its endpoint's test has not decided, or a probe: scored before the others
 
@@ -98,42 +98,63 @@ class AuditRecord:
 
 
 class AuditTrail:
-    """One audited request's INT4 tokens and their top-5 logprobs, kept by its machine."""
+    """One INT4 answer's record for the audit, kept by its machine: its tokens' top-5 logprobs
+    when it was chosen (the audit's share) or its endpoint was under test at its start; a light
+    one (nothing kept per token, no KL estimate) for any other, audited only if it turns urgent."""
 
     def __init__(self, request_id: str, prompt_class: str, pool: str, sink: Callable[[AuditJob], None],
-                 greedy: bool = True, urgent: bool = False):
+                 greedy: bool = True, urgent: bool | Callable[[str], bool] = False, chosen: bool = True):
+        """urgent: whether the job goes first, or a callable asked at the answer's end with its
+        endpoint (a pool of replicas: the one that wrote it, known only then). chosen: the answer
+        was picked for the audit; one that was not keeps a light trail and is audited only if
+        urgent (its endpoint suspect at its end, or a hazard of its own: `done(suspicious=True)`)."""
         self.request_id, self.prompt_class, self.pool, self.sink = request_id, prompt_class, pool, sink
-        self.greedy, self.urgent = greedy, urgent
+        self.greedy, self.urgent, self.chosen = greedy, urgent, chosen
         self.mixed = False
+        self.sent = False  # handed to the sink (once: at a hazard, or at the end)
+        self.tokens = 0  # INT4 tokens accepted so far
         self.top: list[tuple[tuple[int, float], ...]] = []
 
     def add(self, row: torch.Tensor) -> None:
         """A row INT4 gave and the machine accepted a token from (called before the token joins)."""
-        self.top.append(top_k(row))
+        self.tokens += 1
+        if self.chosen:
+            self.top.append(top_k(row))
 
     def add_top(self, token_id: int, top: Sequence[tuple[int, float | None]]) -> None:
         """A remote INT4 token the pool accepted, with the top-k its server streamed (llama-server:
         n_probs of them): the finite ones, padded to TOP_K with zero-probability entries (the KL
-        estimate is then over the server's top-k; the endpoint test reads `excess`, fp32's alone)."""
-        kept = [(int(t), float(v)) for t, v in top[:TOP_K] if v is not None and math.isfinite(v)] or [(token_id, 0.0)]
-        self.top.append((*kept, *[(kept[0][0], -math.inf)] * (TOP_K - len(kept))))
+        estimate is then over the server's top-k; the endpoint test reads fp32's alone)."""
+        self.tokens += 1
+        if self.chosen:
+            kept = [(int(t), float(v)) for t, v in top[:TOP_K] if v is not None and math.isfinite(v)] \
+                or [(token_id, 0.0)]
+            self.top.append((*kept, *[(kept[0][0], -math.inf)] * (TOP_K - len(kept))))
 
     def at(self, endpoint: str) -> None:
         """Which endpoint writes the tokens that follow (a pool of replicas says, before each
         one's first token): the answer is that endpoint's; an answer written by two (a stream
         continued at a sibling) is nobody's evidence and is not audited."""
-        if not self.top:
+        if not self.tokens:
             self.pool = endpoint
         elif endpoint != self.pool:
             self.mixed = True
 
-    def done(self, prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> None:
-        """The answer ended: hand its INT4-written part to the sink (nothing to audit: nothing
-        sent, or written by two endpoints)."""
-        n = min(len(self.top), len(answer_ids))
-        if n and not self.mixed:
+    def done(self, prompt_ids: Sequence[int], answer_ids: Sequence[int], suspicious: bool = False) -> None:
+        """INT4's part of the answer is written (the answer ended, or left INT4 on a hazard:
+        `suspicious`, in-band evidence that makes the job urgent): hand it to the sink, once
+        (nothing to audit: nothing written, written by two endpoints, or neither chosen nor urgent)."""
+        if self.sent:
+            return
+        n = min(self.tokens, len(answer_ids))
+        if not n or self.mixed:
+            return
+        urgent = suspicious or (self.urgent(self.pool) if callable(self.urgent) else self.urgent)
+        if urgent or self.chosen:
+            self.sent = True
             self.sink(AuditJob(self.request_id, self.prompt_class, self.pool, tuple(prompt_ids),
-                               tuple(answer_ids[:n]), tuple(self.top[:n]), self.greedy, self.urgent))
+                               tuple(answer_ids[:n]), tuple(self.top[:n]) if self.chosen else (), self.greedy,
+                               urgent))
 
 
 def score(job: AuditJob, rows: torch.Tensor, source: str = "audit") -> AuditRecord:
@@ -147,10 +168,13 @@ def score(job: AuditJob, rows: torch.Tensor, source: str = "audit") -> AuditReco
     own = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     gap = logp.gather(1, best.unsqueeze(1)).squeeze(1) - own
     entropy = -torch.special.xlogy(logp.exp(), logp.exp()).sum(dim=-1)
-    ids = torch.tensor([[t for t, _ in top] for top in job.top])  # (n, 5)
-    q = torch.softmax(torch.tensor([[v for _, v in top] for top in job.top]), dim=-1)
-    p = torch.softmax(logp.gather(1, ids), dim=-1)
-    kl = (q * (q.clamp_min(1e-30).log() - p.clamp_min(1e-30).log())).sum(dim=-1)
+    if job.top:  # (a light trail's job has no INT4 top-5: no KL estimate)
+        ids = torch.tensor([[t for t, _ in top] for top in job.top])  # (n, 5)
+        q = torch.softmax(torch.tensor([[v for _, v in top] for top in job.top]), dim=-1)
+        p = torch.softmax(logp.gather(1, ids), dim=-1)
+        kl = (q * (q.clamp_min(1e-30).log() - p.clamp_min(1e-30).log())).sum(dim=-1)
+    else:
+        kl = torch.tensor([math.nan])
     return AuditRecord(job.request_id, job.prompt_class, job.pool, n, float(agree.float().mean()),
                        int(wrong[0]) if len(wrong) else None, float(kl.mean()), float(gap.mean()), source=source,
                        excess=float((-own - entropy).mean()), greedy=job.greedy)

@@ -63,6 +63,11 @@ def step(m: RequestMachine, out: StepOutput | StepFailed, took_s: float,
     return m.accept_token(int(token), token_logprob(out.row, int(token), k) if k is not None else None)
 
 
+# Hazards that say nothing about the INT4 endpoint's weights (a stall, a failed call, the audit's
+# own ejection, a draft the rung above refused): their answers' audits are not made urgent.
+NOT_EVIDENCE = frozenset({"deadline", "engine_error", "audit", "verify"})
+
+
 # What a driver may use of a machine, only to read or call (no driver assigns through `m`):
 # tests/test_driver_views.py reads every driver's source and holds it to this list.
 DRIVER_VIEW = frozenset({
@@ -188,6 +193,9 @@ class RequestMachine:
         whether it would take the row's argmax, `row` or the row itself, too)."""
         self.left_at = now = self.clock()  # the handoff's latency counts from here
         self.rec.close_handoff(now, self.step)  # a handoff whose new rung failed before its first token
+        if self.audit is not None and self.rung == 0 and hazard.check not in NOT_EVIDENCE:
+            # in-band suspicion: what INT4 wrote up to its hazard is audited first (rolled back or not)
+            self.audit.done(self.prompt, self.stream.ids, suspicious=True)
         if hazard.check == "verify":  # the standby refused token `step`: continue from the ones before it
             self.stream.truncate(hazard.step)  # (never below what was released)
         elif hazard.check == "audit" and self.stream.whole:  # the audit ejected the endpoint writing it:

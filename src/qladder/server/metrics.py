@@ -8,6 +8,7 @@ metrics take their own locks: any thread may update them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -183,7 +184,8 @@ class ServerMetrics:
     def observe_audit(self, a: AuditRecord) -> None:
         """A drift audit's record (the standby's thread)."""
         self.audit_agreement.labels(a.prompt_class, a.pool, a.source).observe(a.agreement)
-        self.audit_kl.labels(a.prompt_class, a.pool, a.source).observe(a.kl_top5)
+        if math.isfinite(a.kl_top5):  # (an answer audited for in-band suspicion has no INT4 top-5 kept)
+            self.audit_kl.labels(a.prompt_class, a.pool, a.source).observe(a.kl_top5)
         if a.excess is not None:
             self.audit_excess.labels(a.prompt_class, a.pool, a.source).observe(a.excess)
         self.audit_diverged.labels(a.prompt_class, a.pool, a.source, str(a.first_divergence is not None).lower()).inc()

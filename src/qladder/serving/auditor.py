@@ -3,10 +3,12 @@ turns the standby has nothing else to do, one chunk of `chunk` tokens a turn, so
 arrives meanwhile waits at most one chunk (and, while handoffs keep it busy, in a bounded share
 of its turns: serving/standby.py). Urgent jobs (an answer of an endpoint whose test has not
 decided, or an ejected one's probe: what decides an alarm) run first, in order; then the newest
-ordinary job (under a backlog the freshest evidence, not the oldest). Owned by the standby's
-worker thread; `offer`, `pending` and `spent` are the calls from other threads (two bounded
-deques behind a lock: a full one drops its oldest job, counted; the chunks' core-seconds over the
-last SPENT_WINDOW_S behind the same lock: what the engine's audit budget reads)."""
+ordinary job (under a backlog the freshest evidence, not the oldest), an endpoint's that turned
+suspect since first; an urgent job that comes
+while an ordinary one is under way sets it aside (its session kept) and runs first. Owned by the
+standby's worker thread; `offer`, `pending` and `spent` are the calls from other threads (two
+bounded deques behind a lock: a full one drops its oldest job, counted; the chunks' core-seconds
+over the last SPENT_WINDOW_S behind the same lock: what the engine's audit budget reads)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ class Auditor:
         self.engine, self.on_record, self.chunk = engine, on_record, chunk
         self._jobs: deque[AuditJob] = deque()
         self._urgent: deque[AuditJob] = deque()
+        # whether an endpoint is suspect now (set by the serving engine: its watch's audit_all): an
+        # ordinary job of one that turned suspect after the job was queued goes before the others
+        self.prefer: Callable[[str], bool] | None = None
         self._max = max_jobs
         self._lock = threading.Lock()
         self.dropped = 0  # jobs dropped from a full queue
@@ -40,6 +45,8 @@ class Auditor:
         self._session: BatchedTorchSession | None = None
         self._feed: list[int] = []
         self._rows: list[torch.Tensor] = []
+        # an ordinary job set aside (its session kept) while an urgent one that came meanwhile runs
+        self._paused: tuple[AuditJob, BatchedTorchSession, list[int], list[torch.Tensor]] | None = None
         self._delivering = False  # a scored job's record not yet with its observers (still pending)
         self._spent: deque[tuple[float, float]] = deque()  # (chunk end, core-seconds), the last window's
 
@@ -59,6 +66,13 @@ class Auditor:
             waiting = bool(self._jobs or self._urgent)
         return self._job is not None or (waiting and self.engine.free_slots > 0)
 
+    @property
+    def urgent(self) -> bool:
+        """An urgent job is under way or waiting (a suspect endpoint's answer, a probe)."""
+        with self._lock:
+            waiting = bool(self._urgent)
+        return waiting or (self._job is not None and self._job.urgent)
+
     def charge(self, now: float, core_s: float) -> None:
         """A chunk ran until `now` (the standby's clock) on `core_s` core-seconds (its thread)."""
         with self._lock:
@@ -74,12 +88,20 @@ class Auditor:
     @property
     def pending(self) -> int:
         with self._lock:
-            return len(self._jobs) + len(self._urgent) + (self._job is not None or self._delivering)
+            return (len(self._jobs) + len(self._urgent) + (self._job is not None or self._delivering)
+                    + (self._paused is not None))
 
     # -- the standby's thread --------------------------------------------------------------------
     def step(self, chunk: int | None = None) -> bool:
         """One chunk (`chunk` tokens, default the auditor's) of the current job (starting the next
         when none is current). False: no work."""
+        if self._job is not None and not self._job.urgent and self._paused is None and self.engine.free_slots > 0:
+            with self._lock:
+                urgent_waiting = bool(self._urgent)
+            if urgent_waiting:  # set the ordinary job aside: the urgent one decides an alarm
+                assert self._session is not None
+                self._paused = (self._job, self._session, self._feed, self._rows)
+                self._job, self._session, self._feed, self._rows = None, None, [], []
         if self._job is None and not self._start():
             return False
         job, s = self._job, self._session
@@ -114,7 +136,9 @@ class Auditor:
             if self._urgent:
                 job = self._urgent.popleft()
             elif self._jobs:
-                job = self._jobs.pop()
+                job = next((j for j in reversed(self._jobs) if self.prefer is not None and self.prefer(j.pool)),
+                           self._jobs[-1])
+                self._jobs.remove(job)
             else:
                 return False
         try:
@@ -132,9 +156,13 @@ class Auditor:
         return True
 
     def _end(self) -> None:
+        """The current job is over; a job set aside goes on."""
         if self._session is not None:
             self._session.close()
         self._job, self._session, self._feed, self._rows = None, None, [], []
+        if self._paused is not None:
+            (self._job, self._session, self._feed, self._rows), self._paused = self._paused, None
 
     def close(self) -> None:
         self._end()
+        self._end()  # (and the one set aside)

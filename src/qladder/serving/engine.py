@@ -225,6 +225,8 @@ class ServingEngine:
             self.watch = EndpointWatch(c.detector, c.probe_every_s)
             self.watch.observers.append(self._alarm)
             self.audit_observers.append(self.watch.record)
+            assert self.standby is not None and self.standby.auditor is not None
+            self.standby.auditor.prefer = self.watch.audit_all
         self.probes = 0  # unshown INT4 answers sent to probe an ejected pool
         self.alarm_observers: list[Callable[[Alarm], None]] = []
         self.scheduler: Int4Scheduler | RemotePool
@@ -467,11 +469,14 @@ class ServingEngine:
         # its first token), or this is an ejected one's probe
         w = self.watch
         under_test = probe or (w is not None and any(w.audit_all(e) and not w.ejected(e) for e in self.int4_endpoints))
-        if (self.audits and r.start_rung == 0 and not r.verified
-                and (under_test or selected(r.request_id, self._audit_share()))):
+        chosen = selected(r.request_id, self._audit_share())
+        if self.audits and r.start_rung == 0 and not r.verified:  # (not chosen: a light trail, see AuditTrail)
             assert self.standby is not None
             audit = AuditTrail(r.request_id, r.prompt_class or classify(r.prompt_text), self.int4_endpoints[0],
-                               self.standby.audit, greedy=r.params.greedy, urgent=under_test)
+                               self.standby.audit, greedy=r.params.greedy,
+                               # urgent if the endpoint that wrote it (known at its end) is suspect
+                               urgent=True if probe else (w.audit_all if w is not None else False),
+                               chosen=chosen or under_test)
         return RequestMachine(r, self.rungs, self.n_ctx, self.int4.eos_ids, self.int4.detokenize_bytes,
                               ladder, guard, self.incidents, emit, self.clock, audit)
 

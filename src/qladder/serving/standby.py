@@ -50,8 +50,10 @@ _log = logging.getLogger("qladder.standby")
 # the time a deadline sees; or the engine's failure.
 Rows = tuple[torch.Tensor, StepOutput, float] | StepFailed
 # While requests keep the standby busy, the audit runs chunks of BUSY_CHUNK tokens in at most
-# BUSY_SHARE of its time (an idle standby audits in chunks of the auditor's size).
-BUSY_SHARE, BUSY_CHUNK = 0.2, 16
+# BUSY_SHARE of its time, URGENT_SHARE while an urgent job (a suspect endpoint's answer, a probe)
+# waits: its verdict is what takes a broken endpoint, and the handoffs it causes, out (an idle
+# standby audits in chunks of the auditor's size).
+BUSY_SHARE, URGENT_SHARE, BUSY_CHUNK = 0.2, 0.5, 16
 
 
 class _Wake:
@@ -213,15 +215,17 @@ class StandbyPool:
     def _audit_turn(self, auditor: Auditor, turn_s: float) -> None:
         """After a turn that took `turn_s` of requests' work: an audit chunk if nothing else is
         waiting, or, while requests keep the standby busy, a BUSY_CHUNK one whenever the audit's
-        time so far in this busy spell is under BUSY_SHARE of the requests' (so the floor always
-        runs, and a suspect endpoint's audits, first in the queue, decide under a stream of
-        handoffs; a handoff's tokens are slowed by at most that share)."""
+        time so far in this busy spell is under BUSY_SHARE of the requests' (URGENT_SHARE while an
+        urgent job waits): the floor always runs, and a suspect endpoint's audits, first in the
+        queue, decide under a stream of handoffs; a handoff's tokens are slowed by at most that
+        share."""
         if not self._active and not self._waiting:
             self._busy_s = self._busy_audit_s = 0.0
             self._audit_chunk(auditor)
             return
         self._busy_s += turn_s
-        if auditor.runnable and self._busy_audit_s <= BUSY_SHARE * self._busy_s:
+        share = URGENT_SHARE if auditor.urgent else BUSY_SHARE
+        if auditor.runnable and self._busy_audit_s <= share * self._busy_s:
             self._busy_audit_s += self._audit_chunk(auditor, BUSY_CHUNK)
 
     def _audit_chunk(self, auditor: Auditor, chunk: int | None = None) -> float:

@@ -392,6 +392,18 @@ def test_api_keys_are_required_when_configured(vocab, model_info):
         assert c.get("/healthz").status_code == 200  # probes need no key
 
 
+def test_a_request_says_whether_its_client_reads_the_answer_as_it_is_written(vocab, model_info):
+    """`stream` in the body becomes Request.streamed: an answer read whole (the openai client's
+    default) may be withdrawn entirely from an endpoint the audit ejects; a streamed one may not."""
+    fake, _, app = _app(vocab, model_info)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with TestClient(app) as c:
+        assert c.post("/v1/chat/completions", json=body).status_code == 200
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200 and "[DONE]" in r.read().decode()
+    assert [r.streamed for r in fake.submitted] == [False, True]
+
+
 def test_faults_are_injected_only_where_the_operator_allowed_them(vocab, model_info):
     fake, _, app = _app(vocab, model_info, allow_faults=True)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 4,

@@ -206,6 +206,8 @@ class Gateway:
         """A request's outcome reaches its pool's breaker at its first hazard on that pool (not when
         the answer ends on the standby, seconds later), or as a clean one when it finishes."""
         if isinstance(ev, HazardEvent):
+            if ev.hazard.check == "audit":  # the endpoint's verdict (it is ejected), not this prompt's
+                return
             with self._routes_lock:
                 entry = self._routes.get(ev.request_id)
                 if entry is None or entry[2] or ev.hazard.rung not in self._pool_rungs(entry[0]):
@@ -225,7 +227,8 @@ class Gateway:
         if not recorded:
             self.breakers[route.pool].record(error=res.finish_reason is FinishReason.ERROR)
         first = self.client.rungs[0]
-        if res.handoffs and any(h.rung == first and h.check not in ERROR_CHECKS for h in res.hazards):
+        if res.handoffs and any(h.rung == first and h.check not in ERROR_CHECKS | {"audit"}
+                                for h in res.hazards):
             self.quarantine.add(fp)
             self.metrics.quarantine_added.inc()
 

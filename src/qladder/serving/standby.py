@@ -100,7 +100,8 @@ class StandbyPool:
         token past the first, is what a step's deadline sees (a context's chunk is not a stall).
         on_audit: a drift audit's record (qladder.audit; on this pool's thread)."""
         self._given = dict(engines)
-        self.engines = {j: batched(e, max_sessions + verify_sessions + 1) for j, e in engines.items()}
+        # (+2: the audit's job, and an ordinary one it set aside for an urgent one)
+        self.engines = {j: batched(e, max_sessions + verify_sessions + 2) for j, e in engines.items()}
         self.forward = forward
         self.aborts = aborts
         self.max_sessions = max_sessions

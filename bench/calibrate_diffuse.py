@@ -26,6 +26,7 @@ from qladder.peers.llama_server import LlamaServer
 from qladder.percentiles import percentile
 from qladder.validate.corpora import Prompt, load_corpora, train
 from qladder.validate.gguf_patch import corrupt_gguf_scale
+from qladder.validate.replay import as_sent
 
 BOUNDS = (-1.8, -2.0, -2.2, -2.5)
 
@@ -53,9 +54,8 @@ def main() -> None:
     info = inspect_model()
     vocab = LlamaVocab(info)
     normal, abnormal = (train(ps) for ps in load_corpora())  # the train half only: validation scores the test half
-    def text(p: Prompt) -> str:  # as a client would send it: valid UTF-8, lone surrogates replaced
-        raw = p.prompt if isinstance(p.prompt, bytes) else p.prompt.encode("utf-8", "surrogatepass")
-        return raw.decode("utf-8", "replace")
+    def text(p: Prompt) -> str:  # as a client would send it
+        return as_sent(p.prompt)
 
     enc = {p.id: user_prompt_ids(info.chat_template, text(p), vocab.tokenize)[:1900] for p in normal + abnormal}
     out: dict[str, object] = {"window": window, "stride": stride, "n_predict": 32, "slots": 4, "threads": 1}

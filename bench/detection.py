@@ -44,6 +44,7 @@ from qladder.serving import ServingConfig, ServingEngine
 from qladder.validate.corpora import load_corpora, split_of
 from qladder.validate.fault_models import FAULT_MODELS, TEST_FAULT_MODELS
 from qladder.validate.gguf_patch import GGUF_PATCHES
+from qladder.validate.replay import as_sent
 
 SETTINGS = {"quiet": (0.05, 0.5), "busy": (0.05, 0.0)}
 TARGET_MEDIAN = 8
@@ -59,8 +60,7 @@ def serve(se: ServingEngine, prompts: list[Any], limit: int, until_alarm: bool, 
         if until_alarm and alarms:
             break
         p = prompts[n % len(prompts)]
-        raw = p.prompt if isinstance(p.prompt, bytes) else p.prompt.encode("utf-8", "surrogatepass")
-        text = raw.decode("utf-8", "replace")  # what a client's JSON can carry (lone surrogates replaced)
+        text = as_sent(p.prompt)  # what a client's JSON can carry
         ids = user_prompt_ids(se.info.chat_template, text, se.int4.tokenize)
         out = bool(alarms)
         req = se.request(ids, SamplingParams(max_tokens=32), prompt_text=text, prompt_class=p.cls)

@@ -61,15 +61,12 @@ from qladder.validate.corpora import load_corpora, split_of
 from qladder.validate.fault_models import FAULT_MODELS, TEST_FAULT_MODELS
 from qladder.validate.garbage import judge, mean_nll
 from qladder.validate.gguf_patch import GGUF_PATCHES
+from qladder.validate.replay import as_sent
 
 CLIENTS = 8
 TARGET_MEDIAN, TARGET_MAX = 8, 16
 AUDIT_RATE, AUDIT_SPARE = 0.05, 0.5
 
-
-def _text(p: Any) -> str:
-    raw = p.prompt if isinstance(p.prompt, bytes) else p.prompt.encode("utf-8", "surrogatepass")
-    return raw.decode("utf-8", "replace")  # what a client's JSON can carry (lone surrogates replaced)
 
 
 def serve(se: ServingEngine, prompts: list[Any], n: int, topology: str, kind: str, split: str,
@@ -84,7 +81,7 @@ def serve(se: ServingEngine, prompts: list[Any], n: int, topology: str, kind: st
 
     def run(k: int) -> None:
         p = prompts[k % len(prompts)]
-        text = _text(p)
+        text = as_sent(p.prompt)
         ids = user_prompt_ids(se.info.chat_template, text, se.int4.tokenize)
         req = se.request(ids, SamplingParams(max_tokens=32), prompt_text=text, prompt_class=p.cls, streamed=False)
         sent = time.monotonic() - t0

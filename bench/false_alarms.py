@@ -46,6 +46,7 @@ from qladder.environment import snapshot
 from qladder.health.detector import committed, committed_drift_bound
 from qladder.peers.process import start_qladder_serve, stop
 from qladder.validate.corpora import load_corpora, split_of
+from qladder.validate.replay import as_sent
 
 CLIENTS, SEEDS, ANSWER, TEMPERATURE = 8, 5, 32, 0.8
 TARGET_REQUESTS = 1000
@@ -71,18 +72,14 @@ weight = 0.0
 """
 
 
-def _text(p: Any) -> str:
-    raw = p.prompt if isinstance(p.prompt, bytes) else p.prompt.encode("utf-8", "surrogatepass")
-    return raw.decode("utf-8", "replace")
-
 
 def jobs(seeds: int) -> list[dict[str, Any]]:
     normal, abnormal = load_corpora()
     prompts = [p for p in [*normal, *abnormal] if split_of(p.id) == "test"]
     out = [{"prompt_id": p.id, "class": p.cls, "abnormal": p in abnormal, "mode": "greedy", "seed": None,
-            "text": _text(p)} for p in prompts]
+            "text": as_sent(p.prompt)} for p in prompts]
     out += [{"prompt_id": p.id, "class": p.cls, "abnormal": p in abnormal, "mode": "sampled", "seed": s,
-             "text": _text(p)} for p in prompts for s in range(seeds)]
+             "text": as_sent(p.prompt)} for p in prompts for s in range(seeds)]
     random.Random(20261207).shuffle(out)
     return out
 

@@ -13,6 +13,7 @@ from qladder.model import ModelInfo
 from qladder.prepare import Preparer
 from qladder.validate.corpora import Prompt, load_corpora, train
 from qladder.validate.gguf_patch import corrupt_gguf_scale, glitch_gguf
+from qladder.validate.replay import as_sent
 
 GLITCH_CLASSES = ("emoji_zwj",)  # the sanitizer removes the others' glitch tokens before the gateway
 
@@ -23,9 +24,8 @@ def train_prompts(info: ModelInfo, max_tokens: int) -> tuple[list[Prompt], list[
     normal, abnormal = (train(ps) for ps in load_corpora())
 
     def enc(p: Prompt) -> list[int] | None:
-        raw = p.prompt if isinstance(p.prompt, bytes) else p.prompt.encode("utf-8", "surrogatepass")
         try:
-            return preparer.encode_messages([{"role": "user", "content": raw.decode("utf-8", "replace")}],
+            return preparer.encode_messages([{"role": "user", "content": as_sent(p.prompt)}],
                                             max_tokens)[0]
         except InputError:
             return None

@@ -86,6 +86,13 @@ def unicode_bytes(prompt: str | bytes) -> bytes | None:
         return prompt.encode("utf-8", "surrogatepass")
 
 
+def as_sent(prompt: str | bytes) -> str:
+    """A prompt as a client's JSON can carry it: valid UTF-8, invalid bytes and lone surrogates
+    replaced (U+FFFD)."""
+    raw = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8", "surrogatepass")
+    return raw.decode("utf-8", "replace")
+
+
 def readable(prompt: str | bytes) -> str:
     """A prompt as valid text for the outcome record (undecodable bytes as backslash escapes)."""
     raw = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8", "surrogatepass")

@@ -173,6 +173,10 @@ class RequestMachine:
             return MoveTo(action.to, poisoned=False)
         return Continue()
 
+    def _int4_part(self, ids: Sequence[int], rungs: Sequence[str]) -> list[int]:
+        """The answer's start rung 0 wrote (up to the first token of another rung): what is audited."""
+        return list(ids[:next((k for k, r in enumerate(rungs) if r != self.rungs[0]), len(ids))])
+
     def _end(self, reason: FinishReason) -> Action:  # unless its first tokens still await the standby's check
         return Confirm(reason) if self.unchecked else Done(self.finish(reason))
 
@@ -195,7 +199,7 @@ class RequestMachine:
         self.rec.close_handoff(now, self.step)  # a handoff whose new rung failed before its first token
         if self.audit is not None and self.rung == 0 and hazard.check not in NOT_EVIDENCE:
             # in-band suspicion: what INT4 wrote up to its hazard is audited first (rolled back or not)
-            self.audit.done(self.prompt, self.stream.ids, suspicious=True)
+            self.audit.done(self.prompt, self._int4_part(self.stream.ids, self.token_rungs), suspicious=True)
         if hazard.check == "verify":  # the standby refused token `step`: continue from the ones before it
             self.stream.truncate(hazard.step)  # (never below what was released)
         elif hazard.check == "audit" and self.stream.whole:  # the audit ejected the endpoint writing it:
@@ -262,7 +266,7 @@ class RequestMachine:
         self.rec.total()
         self.rec.flush(None)
         if self.audit is not None:  # the answer's INT4-written start, to be re-scored in the background
-            self.audit.done(self.prompt, ids[:next((k for k, r in enumerate(rungs) if r != self.rungs[0]), len(ids))])
+            self.audit.done(self.prompt, self._int4_part(ids, rungs))
         self.done = GenerationResult(text=FALLBACK_TEXT if fallback and not ids else self.stream.text,
                                      token_ids=list(ids), token_rungs=rungs, finish_reason=reason,
                                      prompt_tokens=len(self.prompt), hazards=list(self.hazards),

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from qladder.faults import Fault
 
 ERROR_CHECKS = frozenset({"engine_error", "deadline"})  # the engine failed, not the numbers
+NOT_THE_PROMPTS = ERROR_CHECKS | {"audit"}  # (and the audit's ejection: the endpoint's verdict) never quarantine
 
 
 @dataclass(frozen=True)
@@ -227,8 +228,7 @@ class Gateway:
         if not recorded:
             self.breakers[route.pool].record(error=res.finish_reason is FinishReason.ERROR)
         first = self.client.rungs[0]
-        if res.handoffs and any(h.rung == first and h.check not in ERROR_CHECKS | {"audit"}
-                                for h in res.hazards):
+        if res.handoffs and any(h.rung == first and h.check not in NOT_THE_PROMPTS for h in res.hazards):
             self.quarantine.add(fp)
             self.metrics.quarantine_added.inc()
 

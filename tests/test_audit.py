@@ -51,6 +51,23 @@ def test_score_reads_agreement_divergence_kl_and_gap_from_the_rows():
     assert unlikely.excess is not None and unlikely.excess > 9.0
 
 
+def test_a_record_names_a_probe_and_what_it_is_evidence_of():
+    rows = torch.zeros((3, 10))
+    a, again = score(_job([4, 7, 2], []), rows), score(_job([4, 7, 2], []), rows)
+    assert a.key == again.key and len(a.key) == 16 and a.source == "audit"
+    assert score(_job([4, 7], []), rows).key == a.key  # greedy: the prompt's answer, however long
+    sampled = [score(AuditJob("r", "qa", "int4", (1, 2, 3), tuple(t), (), greedy=False), rows)
+               for t in ([4, 7], [4, 8])]
+    assert sampled[0].key != sampled[1].key != a.key  # sampled: each draw is its own evidence
+    other = AuditJob("r", "qa", "int4", (1, 2), (3, 4, 7, 2), (), probe=True)  # the same ids, cut elsewhere
+    probe = score(other, torch.zeros((4, 10)))
+    assert probe.key != a.key and probe.source == "probe"
+    trail = AuditTrail("p", "qa", "int4", (jobs := []).append, probe=True, chosen=False)
+    trail.add(torch.zeros(10))
+    trail.done((1,), (5,))
+    assert jobs and jobs[0].probe and jobs[0].urgent and jobs[0].top  # a probe is chosen and urgent
+
+
 def test_a_trail_asks_whether_its_answer_is_urgent_once_its_endpoint_is_known():
     """A pool of replicas: which one writes an answer is known at its first token, whether that
     one is suspect at its end; an answer not chosen for the audit's share is audited only then."""

@@ -88,10 +88,13 @@ def test_the_statistic_never_goes_negative_and_the_state_says_where_it_is(xs, k,
             assert state is (State.EJECTED if c.s >= h else State.SUSPECT if c.s > 0 else State.WATCHED)
 
 
-def _record(rid: str, pool: str, score: float | None, tokens: int = 16, greedy: bool = True) -> AuditRecord:
-    """An audited answer whose score (a greedy one's fp32 gap, a sampled one's excess) is `score`."""
+def _record(rid: str, pool: str, score: float | None, tokens: int = 16, greedy: bool = True,
+            key: str | None = None) -> AuditRecord:
+    """An audited answer whose score (a greedy one's fp32 gap, a sampled one's excess) is `score`
+    (request ids "p...": a probe's; each a different answer unless `key` says otherwise)."""
     return AuditRecord(rid, "chat", pool, tokens, 1.0, None, 0.0, score if greedy else 0.0,  # type: ignore[arg-type]
-                       excess=None if greedy else score, greedy=greedy)
+                       excess=None if greedy else score, greedy=greedy, key=rid if key is None else key,
+                       source="probe" if rid.startswith("p") else "audit")
 
 
 def _detector(probes: int = 2) -> Detector:
@@ -134,13 +137,28 @@ def test_the_endpoint_watch_keeps_a_test_per_endpoint_announces_an_ejection_with
     assert w.probe_due("int4") and not w.probe_due("int4") and not w.probe_due("replica-b")
     now[0] = 5.0
     assert w.probe_due("int4")
+    for k in range(3):  # answers begun before the ejection: neither evidence nor probes
+        assert w.record(_record(f"late{k}", "int4", -1.0)) is None and w.snapshot()["int4"]["state"] == "ejected"
     assert w.record(_record("p0", "int4", -1.0)) is None and w.ejected("int4")  # one clean probe of two
     assert w.snapshot()["int4"]["state"] == "probing"
     assert w.record(_record("p1", "int4", 0.5)) is None  # over the greedy k: the count starts again
     assert w.record(_record("p2", "int4", -1.0)) is None
     back = w.record(_record("p3", "int4", -0.7, greedy=False))  # a sampled probe, under the sampled k
     assert back is not None and back.returned and seen[-1] is back and not w.ejected("int4")
-    assert w.snapshot()["int4"] == {"state": "watched", "statistic": 0.0, "answers": 8, "alarms": 1}
+    assert w.snapshot()["int4"] == {"state": "watched", "statistic": 0.0, "answers": 11, "alarms": 1}
+
+
+def test_the_same_answer_audited_again_is_one_piece_of_evidence():
+    """A greedy answer is its prompt's: a client that sends the same request three times gives the
+    test one answer, not three (three of them over k would otherwise eject a clean endpoint)."""
+    w = EndpointWatch(_detector())
+    for rid in ("a", "b", "c", "d"):
+        assert w.record(_record(rid, "int4", 2.0, key="same")) is None
+    assert w.snapshot()["int4"]["statistic"] == pytest.approx(1 / 3) and not w.ejected("int4")
+    assert w.record(_record("e", "replica-b", 2.0, key="same")) is None  # another endpoint's: its own evidence
+    assert w.snapshot()["replica-b"]["statistic"] == pytest.approx(1 / 3)
+    w.record(_record("f", "int4", 2.0, key="other"))
+    assert w.record(_record("g", "int4", 2.0, key="third")) is not None and w.ejected("int4")
 
 
 def test_the_sampled_test_ejects_on_its_own_scale_and_the_snapshot_reads_the_nearer_test():

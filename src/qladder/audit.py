@@ -70,6 +70,7 @@ class AuditJob:
     top: tuple[tuple[tuple[int, float], ...], ...]  # INT4's top-5 (id, logprob) at each of them (() light)
     greedy: bool = True  # the answer was decoded greedily (its agreement with fp32's argmax means something)
     urgent: bool = False  # its endpoint's test has not decided, or a probe: scored before the others
+    probe: bool = False  # an ejected endpoint's probe answer (nobody was shown it): what can bring it back
 
 
 @dataclass
@@ -86,6 +87,7 @@ class AuditRecord:
     source: str = "audit"  # what chose the answer for scoring ("audit": the sampled share)
     excess: float | None = None  # mean excess surprise (None: a record from before it was kept)
     greedy: bool = True  # a greedy answer's (a sampled one's agreement is the sampler's, not INT4's drift)
+    key: str = ""  # what it is evidence of (answer_key): the same answer audited twice is one piece of evidence
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,13 +105,15 @@ class AuditTrail:
     one (nothing kept per token, no KL estimate) for any other, audited only if it turns urgent."""
 
     def __init__(self, request_id: str, prompt_class: str, pool: str, sink: Callable[[AuditJob], None],
-                 greedy: bool = True, urgent: bool | Callable[[str], bool] = False, chosen: bool = True):
+                 greedy: bool = True, urgent: bool | Callable[[str], bool] = False, chosen: bool = True,
+                 probe: bool = False):
         """urgent: whether the job goes first, or a callable asked at the answer's end with its
         endpoint (a pool of replicas: the one that wrote it, known only then). chosen: the answer
         was picked for the audit; one that was not keeps a light trail and is audited only if
-        urgent (its endpoint suspect at its end, or a hazard of its own: `done(suspicious=True)`)."""
+        urgent (its endpoint suspect at its end, or a hazard of its own: `done(suspicious=True)`).
+        probe: an ejected endpoint's probe answer (always chosen and urgent)."""
         self.request_id, self.prompt_class, self.pool, self.sink = request_id, prompt_class, pool, sink
-        self.greedy, self.urgent, self.chosen = greedy, urgent, chosen
+        self.greedy, self.urgent, self.chosen, self.probe = greedy, urgent or probe, chosen or probe, probe
         self.mixed = False
         self.sent = False  # handed to the sink (once: at a hazard, or at the end)
         self.tokens = 0  # INT4 tokens accepted so far
@@ -154,11 +158,23 @@ class AuditTrail:
             self.sent = True
             self.sink(AuditJob(self.request_id, self.prompt_class, self.pool, tuple(prompt_ids),
                                tuple(answer_ids[:n]), tuple(self.top[:n]) if self.chosen else (), self.greedy,
-                               urgent))
+                               urgent, self.probe))
 
 
-def score(job: AuditJob, rows: torch.Tensor, source: str = "audit") -> AuditRecord:
-    """Full precision's rows at the answer's positions ((n, V): row i predicts answer token i)."""
+def answer_key(prompt_ids: Sequence[int], answer_ids: Sequence[int], greedy: bool = True) -> str:
+    """A digest of what an audited answer is evidence of: a greedy answer is its prompt's (the
+    same request sent again, or with another max_tokens, writes the same tokens: one piece of
+    evidence, not several), a sampled one is its prompt's and its own tokens'."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(len(prompt_ids).to_bytes(4, "little"))
+    for ids in (prompt_ids, () if greedy else answer_ids):
+        h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in ids))
+    return h.hexdigest()
+
+
+def score(job: AuditJob, rows: torch.Tensor, source: str = "") -> AuditRecord:
+    """Full precision's rows at the answer's positions ((n, V): row i predicts answer token i).
+    source: what chose the answer ("": "probe" for a probe's, else "audit")."""
     n = len(job.answer_ids)
     logp = torch.log_softmax(rows[:n].float(), dim=-1)
     tokens = torch.tensor(job.answer_ids)
@@ -176,8 +192,9 @@ def score(job: AuditJob, rows: torch.Tensor, source: str = "audit") -> AuditReco
     else:
         kl = torch.tensor([math.nan])
     return AuditRecord(job.request_id, job.prompt_class, job.pool, n, float(agree.float().mean()),
-                       int(wrong[0]) if len(wrong) else None, float(kl.mean()), float(gap.mean()), source=source,
-                       excess=float((-own - entropy).mean()), greedy=job.greedy)
+                       int(wrong[0]) if len(wrong) else None, float(kl.mean()), float(gap.mean()),
+                       source=source or ("probe" if job.probe else "audit"), excess=float((-own - entropy).mean()),
+                       greedy=job.greedy, key=answer_key(job.prompt_ids, job.answer_ids, job.greedy))
 
 
 def calibrate_drift_bound(clean: dict[str, Sequence[tuple[int, float]]], min_answers: int = 20,

@@ -4,15 +4,19 @@ per endpoint, one a decoding mode (greedy answers scored by fp32's gap, sampled 
 
     record(AuditRecord)   the auditor's observer (the standby's thread): the record's endpoint
                           (`AuditRecord.pool`) takes its score in its mode's test (an answer of
-                          fewer than MIN_TOKENS tokens is not evidence either way); an alarm or
-                          a return is announced to the observers, outside the lock
+                          fewer than MIN_TOKENS tokens is not evidence either way, nor is an
+                          answer the test has already seen: the same prompt's greedy answer sent
+                          again is one piece of evidence, not several); an alarm or a return is
+                          announced to the observers, outside the lock
     audit_all(endpoint)   suspect (a test has not decided) or ejected: audit every answer
     ejected(endpoint)     a test decided it is broken and no clean probes brought it back
     probe_due(endpoint)   ejected, and no probe answer out for `probe_every_s` (injected clock):
                           the caller sends one (an answer nobody is shown, audited), `probed` it
 
-An ejected endpoint comes back after `probes` audited answers in a row (probes, whatever their
-mode) score under their mode's k: both tests start again from 0. Each endpoint's tests, state
+An ejected endpoint comes back after `probes` audited probe answers in a row (whatever their
+mode) score under their mode's k: both tests start again from 0. While it is out, the records
+of answers that are not probes (begun before the ejection, or the kept part of a withdrawn
+stream) are neither evidence against it nor for its return. Each endpoint's tests, state
 and the evidence since the ejecting test's statistic last left 0 (the audited request ids and
 their scores) are kept together behind one lock; the observers get an `Alarm` (an incident, a
 metric, a log line are theirs to write).
@@ -22,11 +26,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from qladder.audit import AuditRecord
 from qladder.health.detector import MIN_TOKENS, Cusum, Detector, State
+
+SEEN = 4096  # the answers (prompt and answer digests) an endpoint's tests remember, newest kept
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,19 @@ class _Endpoint:
     answers: int = 0
     alarms: int = 0
     probe_at: float = float("-inf")  # when the last probe went out
+    seen: OrderedDict[str, None] = field(default_factory=OrderedDict)  # answer keys fed to the tests
+
+    def first_time(self, key: str) -> bool:
+        """Whether an answer (its `AuditRecord.key`; "" : unknown, always new) is new to the tests."""
+        if not key:
+            return True
+        if key in self.seen:
+            self.seen.move_to_end(key)
+            return False
+        self.seen[key] = None
+        if len(self.seen) > SEEN:
+            self.seen.popitem(last=False)
+        return True
 
 
 class EndpointWatch:
@@ -81,15 +101,19 @@ class EndpointWatch:
             e.answers += 1
             test = e.tests[r.greedy]
             alarm = None
-            if e.out:  # a probe (or an answer begun before the ejection): clean ones bring it back
+            if e.out:  # probes: clean ones bring it back
+                if r.source != "probe":  # begun before the ejection, or a withdrawn stream's kept part
+                    return None
                 e.probing = True
                 e.clean_probes = e.clean_probes + 1 if test.clean(x) else 0
                 if e.clean_probes >= self.detector.probes:
                     for t in e.tests.values():
                         t.reset()
                     e.out, e.probing, e.clean_probes = False, False, 0
-                    e.evidence = {True: [], False: []}
+                    e.evidence, e.seen = {True: [], False: []}, OrderedDict()
                     alarm = Alarm(r.pool, True, 0.0, test.t.h, e.answers, (), self.wall())
+            elif not e.first_time(r.key):  # the same answer again: no new evidence
+                return None
             else:
                 test.observe(x)
                 e.evidence[r.greedy] = [*e.evidence[r.greedy], (r.request_id, x)] if test.s > 0 else []

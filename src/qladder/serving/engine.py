@@ -367,7 +367,7 @@ class ServingEngine:
             assert self.remote is not None and self.standby is not None
             rung = self.int4.endpoint(endpoint) if isinstance(self.int4, Replicas) else self.int4
             trail = AuditTrail(probe.request_id, r.prompt_class or classify(r.prompt_text), endpoint,
-                               self.standby.audit, urgent=True)
+                               self.standby.audit, probe=True)
             self.remote.spawn(functools.partial(probe_answer, rung, probe, trail))
             self.probes += 1
             return
@@ -475,8 +475,8 @@ class ServingEngine:
             audit = AuditTrail(r.request_id, r.prompt_class or classify(r.prompt_text), self.int4_endpoints[0],
                                self.standby.audit, greedy=r.params.greedy,
                                # urgent if the endpoint that wrote it (known at its end) is suspect
-                               urgent=True if probe else (w.audit_all if w is not None else False),
-                               chosen=chosen or under_test)
+                               urgent=w.audit_all if w is not None else False,
+                               chosen=chosen or under_test, probe=probe)
         return RequestMachine(r, self.rungs, self.n_ctx, self.int4.eos_ids, self.int4.detokenize_bytes,
                               ladder, guard, self.incidents, emit, self.clock, audit)
 

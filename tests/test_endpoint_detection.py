@@ -222,8 +222,33 @@ def test_an_ejected_pools_answers_in_flight_leave_it_at_once_and_a_whole_answer_
         pool.shutdown()
         assert [h.check for h in w.hazards] == ["audit"] and set(w.token_rungs) == {"fp32"}
         assert w.token_ids == greedy(fp32, ids, 160)
+        # its timings are the kept answer's: its first token is fp32's, after the ejection
+        assert len(w.step_ms) == len(w.token_ids) - 1 and w.timings["ttft_ms"] > s.timings["ttft_ms"]
         assert [h.check for h in s.hazards] == ["audit"] and s.token_rungs[0] == "int4" and s.token_rungs[-1] == "fp32"
         assert se.stats()["withdrawn"] == 2.0
+    finally:
+        se.close()
+
+
+@pytest.mark.slow
+def test_a_policy_that_returns_to_int4_never_returns_to_an_ejected_pool(model_info):
+    """return_after: after K healthy tokens on the standby an answer goes back to rung 0, unless
+    the audit ejected it; then the answer stays at full precision, whole and exact (handed back,
+    it would be withdrawn again and again until the handoffs ran out)."""
+    from qladder.policy import LadderConfig, LadderPolicy
+
+    fp32 = get_engine("fp32")
+    cfg = ServingConfig(slots=4, audit_rate=0.05, detector=committed(), probe_every_s=3600.0)
+    se = ServingEngine(cfg, model_info, standby_engines=[fp32])
+    try:
+        _eject(se, se.int4.name)
+        ladder = LadderConfig(guard=se.config.ladder.guard, policy=LadderPolicy(return_after=3))
+        text = str(PROMPTS[0].prompt)
+        ids = user_prompt_ids(se.info.chat_template, text, se.int4.tokenize)
+        r = se.generate_sync(se.request(ids, SamplingParams(max_tokens=24), prompt_text=text, ladder=ladder,
+                                        streamed=False), timeout_s=300)
+        assert set(r.token_rungs) == {"fp32"} and not r.hazards and not r.handoffs
+        assert r.token_ids == greedy(fp32, ids, 24) and se.stats()["withdrawn"] == 0.0
     finally:
         se.close()
 
@@ -246,6 +271,8 @@ def test_a_replica_ejected_mid_answer_gives_it_up_to_the_standby(model_info):
         pool.shutdown()
         assert [h.check for h in w.hazards] == ["audit"] and set(w.token_rungs) == {"fp32"}
         assert w.token_ids == greedy(fp32, ids, 160)
+        # its timings are the kept answer's: its first token is fp32's, after the ejection
+        assert len(w.step_ms) == len(w.token_ids) - 1
         assert se.stats()["withdrawn"] == 1.0
     finally:
         se.close()

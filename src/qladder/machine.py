@@ -204,6 +204,7 @@ class RequestMachine:
             self.stream.truncate(hazard.step)  # (never below what was released)
         elif hazard.check == "audit" and self.stream.whole:  # the audit ejected the endpoint writing it:
             self.stream.withdraw()  # none of it was sent (its client reads it whole); it starts again above
+            self.rec.withdrawn()
         elif hazard.check in ("diffuse", "audit") or self.unchecked:  # suspect, or never checked: roll back
             self.stream.truncate(0)  # what was held
         self.unchecked, self.streak = False, 0

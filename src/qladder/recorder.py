@@ -71,6 +71,15 @@ class Recorder:
             self.step_ms.append((now - self._last_accept) * 1e3)
         self._last_accept = now
 
+    def withdrawn(self) -> None:
+        """The answer's tokens were withdrawn (the audit ejected the pool writing an answer its
+        client reads whole): the first token and text are the next kept ones', and the gaps
+        between withdrawn tokens are no gaps of the answer (the time since the request came in
+        stays counted: t0 is kept)."""
+        for k in ("ttft_ms", "first_text_ms", "first_text_tokens"):
+            self.timings.pop(k, None)
+        self.step_ms, self._last_accept = [], None
+
     def prefill(self, ms: float) -> None:
         """The driver timed the prompt's prefill itself."""
         self.timings["prefill_ms"] = ms

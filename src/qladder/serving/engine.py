@@ -230,6 +230,9 @@ class ServingEngine:
         self.probes = 0  # unshown INT4 answers sent to probe an ejected pool
         self.alarm_observers: list[Callable[[Alarm], None]] = []
         self.scheduler: Int4Scheduler | RemotePool
+        if self.watch is not None and self.standby is not None:  # never back to a pool the audit ejected
+            watch, pool = self.watch, tuple(self.int4_endpoints)
+            self.standby.may_return = lambda: not all(watch.ejected(e) for e in pool)
         if self.remote is not None and 0 in remote:
             self.scheduler = self.remote
             if self.watch is not None and self.standby is not None:  # an ejected endpoint's answers leave it at once

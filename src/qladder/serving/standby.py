@@ -14,7 +14,8 @@ touches it again) with what to carry out:
                  then the machine goes back to rung 0 (`on_checked`) to draft on; the session
                  stays here, keyed by the request, until the request ends
 
-A policy return to rung 0 (`return_after`) hands the machine back to `on_return`; a move to a rung
+A policy return to rung 0 (`return_after`) hands the machine back to `on_return`, unless
+`may_return` says rung 0 takes none now (the audit ejected it: the answer goes on here); a move to a rung
 this pool does not run (a remote one) hands it to `forward`.
 """
 
@@ -108,6 +109,7 @@ class StandbyPool:
         self.on_return = on_return
         self.on_checked = on_checked
         self.on_left: Callable[[str], None] | None = None  # set by the serving engine (see _left)
+        self.may_return: Callable[[], bool] | None = None  # set by the serving engine: rung 0 takes returns now
         self.prefill_chunk = prefill_chunk
         self.deadline_per_token_s = deadline_per_token_s
         self.cores, self.threads = cores, threads  # a lease of up to `threads` cores per forward
@@ -326,11 +328,11 @@ class StandbyPool:
         m, action = t.m, t.action
         assert isinstance(action, (MoveTo, Verify))
         j = action.rung
-        if j == 0 and self.on_return is not None:  # the policy returns to the INT4 pool
-            self._close(t)
+        if j == 0 and self.on_return is not None and (self.may_return is None or self.may_return()):
+            self._close(t)  # the policy returns to the INT4 pool
             self.on_return(m)
             return True
-        if j == 0:  # no pool to return to: go on here
+        if j == 0:  # no pool to return to (or it was ejected): go on here
             t.action = Continue()
             return self._prepare(t)
         if j not in self.engines:  # a rung on another pool (a remote server)

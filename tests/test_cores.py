@@ -58,6 +58,24 @@ def test_cores_follow_the_standbys_reports_on_an_injected_clock():
     assert cores.int4_by_threads == {2: 2, 1: 3}
 
 
+def test_an_audit_holds_its_core_while_it_runs_and_leaves_no_linger():
+    """The linger follows requests' work (the next handoff token comes at once); an audit chunk
+    that ends gives INT4 every core back at its next decode."""
+    clock = FakeClock()
+    cores = Cores(2, linger_s=0.25)
+    cores.standby_turn(True, clock(), requests=False)  # an audit chunk runs
+    assert cores.int4_want(2, 1, clock()) == 1
+    cores.standby_turn(False, clock(), requests=False)  # it ended
+    assert cores.int4_want(2, 1, clock()) == 2  # no linger
+    cores.standby_turn(True, clock(), requests=True)  # a handoff, then an audit after it
+    cores.standby_turn(True, clock(), requests=False)
+    cores.standby_turn(False, clock(), requests=False)
+    clock.t += 0.1
+    assert cores.int4_want(2, 1, clock()) == 1  # within the handoff's linger
+    clock.t += 0.2
+    assert cores.int4_want(2, 1, clock()) == 2
+
+
 def test_a_waiting_standby_is_served_before_int4_leases_again_and_leases_never_oversubscribe():
     """INT4 holds both cores; the standby queues for one; INT4's decode ends and it leases again at
     once: the standby, first in line, gets its core, INT4 the one left (a lease that ignored the

@@ -277,3 +277,24 @@ def test_a_replica_ejected_mid_answer_gives_it_up_to_the_standby(model_info):
     finally:
         se.close()
         server.stop()
+
+
+@pytest.mark.slow
+def test_the_audit_takes_its_spare_share_only_while_the_pool_has_room(model_info):
+    """At full load every core the audit holds is one INT4 decodes without: the spare share runs
+    while the pool has a free slot, only the floor while every slot is busy."""
+    cfg = ServingConfig(slots=2, audit_rate=0.05, audit_spare_rate=0.5)
+    se = ServingEngine(cfg, model_info, standby_engines=[get_engine("fp32")])
+    try:
+        assert se._audit_share() == 0.5  # idle
+        text = "Write a long story about a lighthouse keeper and the storm."
+        ids = user_prompt_ids(se.info.chat_template, text, se.int4.tokenize)
+        reqs = [se.request(ids, SamplingParams(max_tokens=96, ignore_eos=True), prompt_text=text) for _ in range(2)]
+        futures, pool = _in_flight(se, reqs)
+        assert se.scheduler.slots_in_use == 2 and se._audit_share() == 0.05
+        for f in futures:
+            f.result(timeout=300)
+        pool.shutdown()
+        assert se._audit_share() == 0.5
+    finally:
+        se.close()

@@ -31,9 +31,10 @@
                                    # to do (default: 0.05 beside an in-process standby, each
                                    # llama-server replica judged apart; 0 with a vLLM standby);
                                    # scores by class in /metrics
-    audit_spare_rate = 0.5         # the share audited instead while the audit's core-time over the last
-    audit_budget = 0.1             # 30 s is under this share of the box's cores: the floor always runs,
-                                   # the rest costs INT4 at most the budget of its throughput
+    audit_spare_rate = 0.5         # the share audited instead while the pool has a free slot and the
+    audit_budget = 0.1             # audit's core-time over the last 30 s is under this share of the
+                                   # box's cores: the floor always runs (alone at full load), the rest
+                                   # costs INT4 at most the budget of its throughput
     detect = true                  # the audit's test (health/detector.py, a CUSUM with committed
                                    # thresholds) ejects a pool (a replica) whose answers full precision
                                    # finds unlikely: its requests then go to the standby (its siblings)

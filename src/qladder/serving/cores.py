@@ -11,10 +11,13 @@ up to more than `total`: at no instant do the two pools' threads oversubscribe t
 
 Elastic INT4 (`[cores] int4 = "elastic"`, the server's default): the INT4 scheduler asks, before
 each decode, for what `int4_threads` gives: every core while the standby has had no work for
-`linger_s`, the cores the standby leaves (`total - standby threads`) while it works or just did.
-The standby reports each turn (`standby_turn(busy, now)`): a handoff, a quarantined request, a
-verified window or an audit. A handoff that arrives while INT4 decodes on every core waits for
-that one decode (the lease queue), then both run side by side. The standby's torch threads stay
+`linger_s`, the cores the standby leaves (`total - standby threads`) while it works or just
+served requests. The standby reports each turn (`standby_turn(busy, now, requests)`): busy with a
+handoff, a quarantined request, a verified window or an audit; the linger follows requests' work
+only (the next token of a handoff comes within milliseconds; an audit done is done, and a core
+left idle for linger_s after each one cost INT4 ~10% of its tokens on 2 cores). A handoff that
+arrives while INT4 decodes on every core waits for that one decode (the lease queue), then both
+run side by side. The standby's torch threads stay
 fixed (its `threads`); only llama.cpp's change, per decode (`llama_set_n_threads`).
 
 Why torch's threads stay fixed (measured here, libgomp, torch 2.13): both llama.cpp and torch
@@ -58,15 +61,18 @@ class Cores:
         self.leases = 0  # served leases (metrics)
         self.max_in_use = 0  # the most cores leased at once (a test reads it: never over total)
         self._standby_busy = False  # the standby's last report (standby_turn), behind _cv
+        self._standby_requests = False  # ...and whether requests (not only an audit) kept it busy
         self._standby_at = float("-inf")  # when it last had work, on its clock
         self.int4_by_threads: dict[int, int] = {}  # INT4 decodes by threads asked (metrics, tests)
 
-    def standby_turn(self, busy: bool, now: float) -> None:
-        """The standby's worker, each turn: whether it has work (handoffs, windows, an audit)."""
+    def standby_turn(self, busy: bool, now: float, requests: bool | None = None) -> None:
+        """The standby's worker, each turn: whether it has work (handoffs, windows, an audit), and
+        whether requests are among it (None: it is all requests'): the linger follows those alone."""
+        requests = busy if requests is None else requests
         with self._cv:
-            if busy or self._standby_busy:  # working, or it just stopped: the linger runs from here
+            if requests or self._standby_requests:  # serving, or it just stopped: the linger runs from here
                 self._standby_at = now
-            self._standby_busy = busy
+            self._standby_busy, self._standby_requests = busy, requests
 
     def int4_want(self, cap: int, standby: int, now: float) -> int:
         """What the INT4 scheduler asks for its next decode (`int4_threads` on the last report)."""

@@ -121,9 +121,10 @@ class ServingConfig:
     verify_drafting: int = 1
     # The audit (qladder.audit): this share of INT4 answers scored teacher-forced by the standby's
     # first rung in the background, in its turns with nothing else to do (0: none), at most
-    # `audit_queue` waiting; `audit_spare_rate` (if higher) while the audit's core-time over the
-    # last 30 s is under `audit_budget` of the box's (`cores`, else every CPU) and its queue is
-    # short: the floor always runs, the rest within the budget.
+    # `audit_queue` waiting; `audit_spare_rate` (if higher) while the INT4 pool has a free slot
+    # and nothing queued, the audit's core-time over the last 30 s is under `audit_budget` of the
+    # box's (`cores`, else every CPU) and its queue is short: the floor always runs (alone at full
+    # load), the rest within the budget.
     audit_rate: float = 0.0
     audit_spare_rate: float = 0.0
     audit_budget: float = 0.1
@@ -418,13 +419,17 @@ class ServingEngine:
                 _log.exception("an alarm observer failed on endpoint %s", a.endpoint)
 
     def _audit_share(self) -> float:
-        """The floor rate, or the spare one while the auditor keeps up (under 4 jobs waiting) and
-        its core-time over the last SPENT_WINDOW_S is under `audit_budget` of the box's: the
-        audit's cost to INT4's throughput is at most the budget (an in-process pool decodes on
-        every core the audit does not hold; a remote one's servers may share this box's)."""
+        """The floor rate, or the spare one while the INT4 pool has room (a free slot, nothing
+        queued: at full load every core the audit holds is one INT4 decodes without, so only the
+        floor runs then), the auditor keeps up (under 4 jobs waiting) and its core-time over the
+        last SPENT_WINDOW_S is under `audit_budget` of the box's: the audit's cost to INT4's
+        throughput is at most the budget (an in-process pool decodes on every core the audit
+        does not hold; a remote one's servers may share this box's)."""
         c = self.config
         auditor = self.standby.auditor if self.standby is not None else None
         if c.audit_spare_rate <= self.audit_rate or self.audit_rate <= 0 or auditor is None or auditor.pending >= 4:
+            return self.audit_rate
+        if self.scheduler.depth > 0 or self.scheduler.slots_in_use >= self.int4.n_slots:
             return self.audit_rate
         cores = c.cores or os.cpu_count() or 1
         under = auditor.spent(self.clock()) < c.audit_budget * cores * SPENT_WINDOW_S

@@ -199,7 +199,8 @@ class StandbyPool:
                 self._active.append(t)
             self._n_handoffs = self._handoffs()
             if self.cores is not None:
-                self.cores.standby_turn(bool(self._active or (self.auditor and self.auditor.runnable)), self.clock())
+                self.cores.standby_turn(bool(self._active or (self.auditor and self.auditor.runnable)), self.clock(),
+                                        requests=bool(self._active))
             try:
                 busy, t0 = bool(self._active), self.clock()
                 self._turn()

@@ -265,7 +265,7 @@ def run_serve_bench(duration_s: float = 120.0, window_s: float = 60.0, rounds: i
     finally:
         g2.stop()
     outcomes += _compare(work, pools, info.path, clean, clients, window_s, rounds, max_tokens, slots, threads,
-                         clock, say)
+                         clock, say, obs)
     _judge(outcomes, info, max_tokens, say)
     return _write({**head, "observations": obs}, outcomes, out_dir)
 
@@ -346,7 +346,8 @@ def _burst_phase(url: str, clean: list[Job], clients: int, burst_s: float, recov
 
 
 def _compare(work: Path, pools: str, gguf: Path, clean: list[Job], clients: int, window_s: float, rounds: int,
-             max_tokens: int, slots: int, threads: int, clock: Clock, say: Any) -> list[Outcome]:
+             max_tokens: int, slots: int, threads: int, clock: Clock, say: Any,
+             obs: dict[str, Any] | None = None) -> list[Outcome]:
     servers: dict[str, Any] = {
         "guarded": QladderProcess("compare-guarded", f"[server]\ndefault_max_tokens = {max_tokens}\n"
                                   f'incidents = "{work / "compare.sqlite3"}"\n' + pools, [], work),
@@ -368,6 +369,10 @@ def _compare(work: Path, pools: str, gguf: Path, clean: list[Job], clients: int,
                 say(f"round {r + 1}/{rounds}: {name}, {window_s:.0f} s")
                 out += asyncio.run(_closed_loop(servers[name].base_url, name, "compare", f"compare/{name}/r{r}", r,
                                                 clean, clients, window_s, max_tokens, clock, start_at=r * 7))
+        if obs is not None:  # the audit's coverage: answers it scored, of the answers each qladder gave
+            obs["audit"] = {name: {"audited": _sum(_scrape(servers[name].base_url), "qladder_audit_answers_total{"),
+                                   "answers": sum(1 for o in out if o.config == name)}
+                            for name in ("guarded", "bare")}
     finally:
         for s in servers.values():
             s.stop()

@@ -132,6 +132,7 @@ def test_recompute_reproduces_committed_runs_without_torch_and_exits_on_their_ve
 @pytest.mark.parametrize(("script", "folder"), [("detection.py", "detection-2026-12-06"),
                                                ("detection_c8.py", "detection-c8-2026-12-07"),
                                                ("detection_c8.py", "detection-c8-2026-12-07b"),
+                                               ("detection_c8.py", "detection-c8-2026-12-07c"),
                                                ("false_alarms.py", "false-alarms-2026-12-07")])
 def test_the_committed_detection_runs_recompute_and_exit_on_their_verdicts(script, folder):
     """bench/detection*.py --recompute: the figures again from outcomes.jsonl, exit 1 on a FAIL."""

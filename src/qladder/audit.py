@@ -172,9 +172,9 @@ def answer_key(prompt_ids: Sequence[int], answer_ids: Sequence[int], greedy: boo
     return h.hexdigest()
 
 
-def score(job: AuditJob, rows: torch.Tensor, source: str = "") -> AuditRecord:
-    """Full precision's rows at the answer's positions ((n, V): row i predicts answer token i).
-    source: what chose the answer ("": "probe" for a probe's, else "audit")."""
+def score(job: AuditJob, rows: torch.Tensor) -> AuditRecord:
+    """Full precision's rows at the answer's positions ((n, V): row i predicts answer token i);
+    the record's source says what chose the answer ("probe" for a probe's, else "audit")."""
     n = len(job.answer_ids)
     logp = torch.log_softmax(rows[:n].float(), dim=-1)
     tokens = torch.tensor(job.answer_ids)
@@ -193,7 +193,7 @@ def score(job: AuditJob, rows: torch.Tensor, source: str = "") -> AuditRecord:
         kl = torch.tensor([math.nan])
     return AuditRecord(job.request_id, job.prompt_class, job.pool, n, float(agree.float().mean()),
                        int(wrong[0]) if len(wrong) else None, float(kl.mean()), float(gap.mean()),
-                       source=source or ("probe" if job.probe else "audit"), excess=float((-own - entropy).mean()),
+                       source="probe" if job.probe else "audit", excess=float((-own - entropy).mean()),
                        greedy=job.greedy, key=answer_key(job.prompt_ids, job.answer_ids, job.greedy))
 
 

@@ -375,3 +375,75 @@ def test_an_outlier_in_an_early_prefill_chunk_is_judged_on_the_last_chunks_row(m
         se.close()
     assert [(h.check, h.step) for h in r.hazards][:1] == [("activation", 0)], r.hazards
     assert r.fallback and r.token_ids == []
+
+
+def test_a_cached_prompt_gives_the_answer_and_the_verdict_of_its_prefill(model_info, settings):
+    """The prompt cache (serving/prompt_states.py): the same prompt again is restored, not
+    prefilled, and gives the same greedy answer, bit for bit, as its prefill did and as a pool
+    without the cache does; a guard whose activation bound sits between the prompt's peak and its
+    last position's own still fires at the first row (the prefill's peaks are carried); a request
+    with faults is neither stored nor restored."""
+    from qladder.serving.prompt_states import PromptStates
+
+    params = SamplingParams(max_tokens=24)
+
+    def answers(cache_bytes, guard=GUARD_PRESETS["default"], n=2, faults=()):
+        se = ServingEngine(ServingConfig(slots=2, prefix_cache=False, allow_faults=True,
+                                         scheduler=SchedulerConfig(prompt_cache_bytes=cache_bytes),
+                                         ladder=LadderConfig(guard=guard)), model_info, settings, standby_engines=[])
+        try:
+            p = user_prompt_ids(model_info.chat_template, "Summarize the plot of a long novel about a lighthouse "
+                                "keeper, his daughter and the storm that changed their island.", se.int4.tokenize)
+            out = [se.generate_sync(se.request(p, params, faults=faults)) for _ in range(n)]
+            prompts: PromptStates = se.scheduler.prompts
+            return out, (prompts.hits, prompts.misses, len(prompts)), se.int4.activation_limit, p
+        finally:
+            se.close()
+
+    (first, again), counts, limit, p = answers(512 << 20)
+    assert counts == (1, 1, 1), counts  # prefilled once, restored once
+    (plain,), off, _, _ = answers(0, n=1)
+    assert off == (0, 0, 0)
+    assert again.token_ids == first.token_ids == plain.token_ids and len(first.token_ids) > 4
+    assert not first.hazards and not again.hazards
+
+    # the guard's bound between the whole prompt's peak and its last position's own (as the
+    # chunked-prefill test above): the restored prompt's first row must fire as the prefill's did
+    from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
+
+    probe = BatchedLlamaCpp(model_info, n_slots=1, n_ctx=512, n_threads=1, native_dir=settings.cache_dir)
+    try:
+        probe.decode([Entry(0, p, 0)], monitor=True)
+        top = float(probe.peaks(0)[0].max())
+        probe.truncate(0, len(p) - 1)
+        probe.decode([Entry(0, p[-1:], len(p) - 1)], monitor=True)
+        last = float(probe.peaks(0)[0].max())
+    finally:
+        probe.close()
+    assert top > 4 * last
+    guard = dataclasses.replace(GUARD_PRESETS["default"], activation_fraction=(top * last) ** 0.5 / limit,
+                                step_deadline_s=60.0)
+    results, counts, _, _ = answers(512 << 20, guard=guard)
+    assert counts == (1, 1, 1), counts
+    for r in results:
+        assert [(h.check, h.step) for h in r.hazards][:1] == [("activation", 0)], r.hazards
+
+    # the peaks judged are the entry's, not what the slot's last occupant left: an entry whose
+    # peaks are over the bound (put while the scheduler's thread waits for work) fires at once
+    from qladder.serving.prompt_states import PromptState
+
+    se = ServingEngine(ServingConfig(slots=1, prefix_cache=False), model_info, settings, standby_engines=[])
+    try:
+        ok = se.generate_sync(se.request(p, params))
+        assert not ok.hazards, ok.hazards
+        e = se.scheduler.prompts.get(tuple(p), True)
+        assert e is not None and e.peaks is not None and e.rest is not None
+        se.scheduler.prompts.put(tuple(p), PromptState(e.state, e.peaks + 2 * limit, e.rest + 2 * limit))
+        r = se.generate_sync(se.request(p, params))
+    finally:
+        se.close()
+    assert [(h.check, h.step) for h in r.hazards][:1] == [("activation", 0)], r.hazards
+
+    faulted, counts, _, _ = answers(512 << 20, faults=(parse_fault("nan@step=2"),))
+    assert counts == (0, 0, 0), counts  # never looked up, never kept
+    assert all(r.hazards for r in faulted)

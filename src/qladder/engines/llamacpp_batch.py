@@ -324,6 +324,35 @@ class BatchedLlamaCpp(LlamaVocabMixin):
         self.prefix_copies += 1
         return len(self.prefix)
 
+    def save_state(self, slot: int) -> np.ndarray:
+        """The slot's sequence state (its KV cells, every position), as uint8 bytes."""
+        n = self._lib.llama_state_seq_get_size(self._ctx, slot)
+        out = np.empty(n, np.uint8)
+        if self._lib.llama_state_seq_get_data(self._ctx, _ptr(out, ctypes.c_uint8), n, slot) != n:
+            raise EngineError(f"llama_state_seq_get_data failed on slot {slot}")
+        return out
+
+    def load_state(self, slot: int, state: np.ndarray, keep: int) -> None:
+        """Give `slot` a state `save_state` made (of any slot), then keep its first `keep`
+        positions. The slot then holds the cached prefix only if the state's first positions were
+        it: the caller says so (`holds_prefix`)."""
+        self.truncate(slot, 0)
+        if self._lib.llama_state_seq_set_data(self._ctx, _ptr(state, ctypes.c_uint8), state.nbytes, slot) == 0:
+            self.truncate(slot, 0)
+            raise EngineError(f"llama_state_seq_set_data failed on slot {slot}")
+        self.truncate(slot, keep)
+
+    def holds_prefix(self, slot: int) -> None:
+        """The slot's first positions are the cached prefix's KV (a state restored from a slot that held it)."""
+        if self.prefix:
+            self._holds_prefix.add(slot)
+
+    def carry_peaks(self, slot: int, peaks: np.ndarray, rest: np.ndarray) -> None:
+        """Set the slot's peaks, as a monitored prefill of its earlier positions left them: the
+        next monitored decode of an entry with `carry_peaks` adds its positions to them."""
+        self._peaks[slot] = peaks
+        self._rest[slot] = rest
+
     def set_gain(self, slot: int, layer: int, channel: int, add: float) -> None:
         """Add `add` to channel `channel` of layer `layer`'s output, on this slot's rows only."""
         if self._native is None:

@@ -104,6 +104,12 @@ class ServerMetrics:
             depth.labels(pools["standby"]).set_function(read("standby_depth"))
             busy.labels(pools["standby"]).set_function(read("standby_active"))
         live.set_function(read("live"))
+        if "prompt_hits" in stats():
+            cache = Gauge("qladder_prompt_cache", "The INT4 pool's prompt cache: prompts restored (hits) and "
+                          "prefilled (misses) since start, states kept (entries) and their bytes", ["pool", "what"],
+                          registry=r)
+            for what in ("hits", "misses", "entries", "bytes"):
+                cache.labels(pools["int4"], what).set_function(read(f"prompt_{what}"))
         endpoints = Gauge("qladder_endpoints", "A pool of replicas' endpoints, by health", ["pool", "health"],
                           registry=r)
         moves = Gauge("qladder_endpoint_events", "A pool of replicas: streams continued on a sibling after their "

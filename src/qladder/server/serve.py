@@ -63,7 +63,8 @@ def serving_config(t: Topology, settings: Settings) -> ServingConfig:
                          standby_rungs=tuple(standby.rungs) if standby else (),
                          standby_sessions=standby.sessions if standby else 1,
                          standby_queue=standby.max_queue if standby else 1,
-                         scheduler=SchedulerConfig(max_queue=int4.max_queue), ladder=ladder,
+                         scheduler=SchedulerConfig(max_queue=int4.max_queue,
+                                                   prompt_cache_bytes=int4.prompt_cache_mb << 20), ladder=ladder,
                          allow_faults=t.server.allow_faults, remote_url=int4.endpoints,
                          standby_url=standby.endpoints if standby else None,
                          remote=RemoteConfig(max_inflight=int4.slots + int4.max_queue

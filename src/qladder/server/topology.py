@@ -24,6 +24,9 @@
     slots = 8
                                    # (its threads: [cores] int4; `threads = N` here means int4 = N)
     max_queue = 64                 # waiting requests beyond the slots; then 429
+    prompt_cache_mb = 512          # prompts' KV states kept in memory after their prefill: the same
+                                   # prompt again is restored, not prefilled (llama-server's --cache-ram;
+                                   # ~23 KB a token for the embedded model); 0: off
     weight = 1.0                   # share of new requests routed here
     handoff_to = "standby"         # the pool that catches this pool's handoffs
     audit_rate = 0.05              # the audit: this share of INT4 answers scored teacher-forced by the
@@ -141,6 +144,7 @@ class PoolConfig:
     audit_spare_rate: float = 0.5  # the share audited while the audit is within its budget (if audit_rate > 0)
     audit_budget: float = 0.1  # the audit's core-time (last 30 s) beyond the floor: this share of the box's
     detect: bool = True  # the audit's test on this pool's scores ejects it when it decides it is broken
+    prompt_cache_mb: int = 512  # an in-process INT4 pool: prompts' KV states kept in memory (0: off)
 
     def audit_share(self, standby: PoolConfig | None) -> float:
         """The share of this pool's answers audited: its audit_rate, or the floor where an
@@ -417,6 +421,8 @@ def _check_pools(pools: tuple[PoolConfig, ...], errors: list[str]) -> None:
             errors.append(f"{where}: handoff_to names no pool ({p.handoff_to!r}; pools: {', '.join(names)})")
         if p.handoff_to == p.name:
             errors.append(f"{where}: a pool cannot catch its own handoffs")
+        if p.prompt_cache_mb < 0:
+            errors.append(f"{where}: prompt_cache_mb must be >= 0, got {p.prompt_cache_mb}")
         if not 0.0 <= p.audit_spare_rate <= 1.0:
             errors.append(f"{where}: audit_spare_rate must be in [0, 1], got {p.audit_spare_rate}")
         if not 0.0 <= p.audit_budget <= 1.0:

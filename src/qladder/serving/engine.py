@@ -584,7 +584,7 @@ class ServingEngine:
         return {"slots": self.int4.n_slots, "slots_in_use": self.scheduler.slots_in_use,
                 "queue_depth": self.scheduler.depth, "healthy": self.scheduler.healthy,
                 "steps": self.scheduler.steps, "stalls": self.scheduler.stalls,
-                "prefix_hits": self.scheduler.prefix_hits,
+                "prefix_hits": self.scheduler.prefix_hits, **self._prompt_stats(),
                 "standby_depth": self.standby.depth if self.standby else 0,
                 "standby_active": (self.standby.active if self.standby else 0)
                 + (self.remote.standby_active if self.remote else 0), "live": self.aborts.live,
@@ -621,6 +621,14 @@ class ServingEngine:
                             f"{kind}_heard": rung.heard, f"{kind}_condemned": rung.condemned,
                             f"{kind}_rejoins": rung.rejoins})
         return out
+
+    def _prompt_stats(self) -> dict[str, float]:
+        """The in-process pool's prompt cache (serving/prompt_states.py): hits, misses, entries,
+        bytes (plain ints the scheduler's thread writes, read here at scrape time)."""
+        p = getattr(self.scheduler, "prompts", None)
+        if p is None:
+            return {}
+        return {"prompt_hits": p.hits, "prompt_misses": p.misses, "prompt_entries": len(p), "prompt_bytes": p.bytes}
 
     def _audit_stats(self) -> dict[str, float]:
         a = self.standby.auditor if self.standby is not None else None

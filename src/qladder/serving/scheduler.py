@@ -49,6 +49,7 @@ from qladder.serving.aborts import AbortRegistry
 from qladder.serving.cores import Cores
 from qladder.serving.drafts import LEAVE_AFTER, Drafts
 from qladder.serving.handoffs import RungPool
+from qladder.serving.prompt_states import PromptState, PromptStates
 from qladder.types import FinishReason, Hazard
 
 if TYPE_CHECKING:
@@ -67,6 +68,9 @@ class SchedulerConfig:
     watchdog_tick_s: float = 0.01
     probe_every_s: float = 1.0  # while unhealthy, a one-token probe this often
     probe_deadline_s: float = 2.0
+    # prompts' KV states kept after their prefill, restored when the same prompt comes again
+    # (serving/prompt_states.py); 0: off. ~23 KB a token for the embedded model.
+    prompt_cache_bytes: int = 512 << 20
 
 
 @dataclass
@@ -82,6 +86,7 @@ class _Slot:
     gain: bool = False  # a gain fault set on this slot's rows (cleared at release)
     chunked: bool = False  # its peaks hold earlier, unjudged prefill chunks (carried to the next)
     drafts: Drafts | None = None  # a verified request's drafts (serving/drafts.py)
+    cache_key: tuple[int, ...] | None = None  # its prompt, to be kept in the prompt cache once prefilled
 
     @property
     def away(self) -> bool:
@@ -142,6 +147,7 @@ class Int4Scheduler:
         self.rows_s = 0.0  # time in the per-row work after it (guard, sampling, text, events)
         self.rows = 0
         self.prefix_hits = 0  # admissions that copied the cached prefix instead of prefilling it
+        self.prompts = PromptStates(self.config.prompt_cache_bytes)  # whole prompts' states, restored
         # (step, event, request id, slot) of recent admissions and releases, for tests and metrics
         self.slot_log: deque[tuple[int, str, str, int]] = deque(maxlen=4096)
         self._thread = threading.Thread(target=self._run, name="qladder-int4", daemon=True)
@@ -365,20 +371,71 @@ class Int4Scheduler:
         while self._waiting and self._free and self.healthy:
             s = self._waiting.popleft()
             s.slot = self._free.pop(0)
+            key = self._cache_key(s)
             if s.returning:  # back from the standby: from its re-prefill on, rung 0's (judged, faulted) work
                 s.returning = False
                 s.m.moved(0, s.m.step + len(s.m.prompt), warm=False)
             self._slots[s.slot] = s
             prefix = self.engine.prefix
-            if prefix and s.n_past == 0 and len(s.feed) > len(prefix) and tuple(s.feed[:len(prefix)]) == prefix:
+            if key is not None and self._restore(s, key):
+                pass  # the whole prompt's state: only its last token is decoded, in the next batch
+            elif prefix and s.n_past == 0 and len(s.feed) > len(prefix) and tuple(s.feed[:len(prefix)]) == prefix:
                 s.n_past = self.engine.copy_prefix(s.slot)  # the shared system turn, prefilled once
                 del s.feed[:s.n_past]
                 self.prefix_hits += 1
+                s.cache_key = key
             else:
                 self.engine.truncate(s.slot, 0)
+                s.cache_key = key
             # The request's gain faults, if any: an activation outlier through the real kernels, this slot only.
             s.gain = fault_seam.slot_gains(self.engine, s.slot, s.m.req.faults)
             self.slot_log.append((self.steps, "admit", s.m.request_id, s.slot))
+
+    def _cache_key(self, s: _Slot) -> tuple[int, ...] | None:
+        """The prompt cache's key for a request about to take a slot, or None where it neither
+        stores nor restores: the cache off, a request with faults (its prefill runs through
+        them), one coming back from the standby (its context is prompt and answer), a prompt of
+        one token."""
+        if not self.prompts.enabled or s.returning or s.n_past or s.faults is not None or s.m.req.faults \
+                or len(s.feed) < 2:
+            return None
+        return tuple(s.feed)
+
+    def _restore(self, s: _Slot, key: tuple[int, ...]) -> bool:
+        """Give the slot the prompt's cached state less its last position and leave that token
+        to decode; its peaks are carried to that row when its guard checks activations. False:
+        not cached (or the state would not load): the prompt is prefilled."""
+        monitored = self.monitor and s.guard.check_activations
+        hit = self.prompts.get(key, monitored)
+        if hit is None:
+            return False
+        try:
+            self.engine.load_state(s.slot, hit.state, len(key) - 1)
+        except EngineError:
+            _log.exception("a cached prompt state did not load on slot %d: prefilling it", s.slot)
+            return False
+        prefix = self.engine.prefix
+        if prefix and key[:len(prefix)] == prefix:
+            self.engine.holds_prefix(s.slot)
+        s.n_past = len(key) - 1
+        del s.feed[:-1]
+        if monitored:
+            assert hit.peaks is not None and hit.rest is not None
+            self.engine.carry_peaks(s.slot, hit.peaks, hit.rest)
+            s.chunked = True
+        return True
+
+    def _store(self, s: _Slot, monitored: bool) -> None:
+        """Keep the state the prompt's prefill just left (its last chunk decoded, no error)."""
+        key, s.cache_key = s.cache_key, None
+        assert key is not None
+        try:
+            state = self.engine.save_state(s.slot)
+        except EngineError:
+            _log.exception("the prompt state of slot %d could not be kept", s.slot)
+            return
+        peaks, rest = (t.numpy().copy() for t in self.engine.peaks(s.slot)) if monitored else (None, None)
+        self.prompts.put(key, PromptState(state, peaks, rest))
 
     def _release(self, s: _Slot) -> None:
         """Free a slot at once: its KV removed, the slot reusable by the next step's admission."""
@@ -406,7 +463,7 @@ class Int4Scheduler:
                     prefilling = s  # one prefill chunk a step (see the module docstring)
                 continue
             if s.feed and (s.drafts is None or s.drafts.wants_row()):
-                entries.append(Entry(s.slot, s.feed, s.n_past))
+                entries.append(Entry(s.slot, s.feed, s.n_past, carry_peaks=s.chunked))
                 batch.append(s)
         return entries, batch, prefilling
 
@@ -442,8 +499,9 @@ class Int4Scheduler:
         deadline is the tightest row's."""
         cfg = self.config
         guards = [s.guard for s in batch]
-        due = [self.monitor and g.check_activations and (prefill or self.steps % g.activation_every == 0)
-               for g in guards]
+        # (s.chunked on a decode row: a restored prompt's last token, its prefill's peaks carried)
+        due = [self.monitor and s.guard.check_activations
+               and (prefill or s.chunked or self.steps % s.guard.activation_every == 0) for s in batch]
         monitor = any(due)
         row_stats = any(g.check_logits for g in guards)
         deadline = min(g.step_deadline_s for g in guards)
@@ -488,6 +546,8 @@ class Int4Scheduler:
             s.chunked = d and not e.logits
             if not e.logits and error is None:
                 continue
+            if prefill and error is None and s.cache_key is not None:
+                self._store(s, d)
             self._on_row(s, error, d)
         self.rows_s += time.perf_counter() - t1
         self.rows += len(batch)

@@ -369,10 +369,17 @@ def _compare(work: Path, pools: str, gguf: Path, clean: list[Job], clients: int,
                 say(f"round {r + 1}/{rounds}: {name}, {window_s:.0f} s")
                 out += asyncio.run(_closed_loop(servers[name].base_url, name, "compare", f"compare/{name}/r{r}", r,
                                                 clean, clients, window_s, max_tokens, clock, start_at=r * 7))
-        if obs is not None:  # the audit's coverage: answers it scored, of the answers each qladder gave
-            obs["audit"] = {name: {"audited": _sum(_scrape(servers[name].base_url), "qladder_audit_answers_total{"),
+        if obs is not None:  # the audit's coverage: answers it scored, of the answers each qladder gave;
+            # and its prompt cache's hits (the clients cycle through the same prompts; llama-server
+            # caches prompts by default too, --cache-ram, which gives no count)
+            scraped = {name: _scrape(servers[name].base_url) for name in ("guarded", "bare")}
+            obs["audit"] = {name: {"audited": _sum(m, "qladder_audit_answers_total{"),
                                    "answers": sum(1 for o in out if o.config == name)}
-                            for name in ("guarded", "bare")}
+                            for name, m in scraped.items()}
+            obs["prompt_cache"] = {name: {what: sum(v for k, v in m.items()
+                                                    if k.startswith("qladder_prompt_cache{") and f'what="{what}"' in k)
+                                          for what in ("hits", "misses", "entries", "bytes")}
+                                   for name, m in scraped.items()}
     finally:
         for s in servers.values():
             s.stop()

@@ -193,11 +193,18 @@ def serve_bare(info: ModelInfo, settings: Settings, name: str = "bare") -> Bare:
 
 def serve_guarded(info: ModelInfo, fp32: Engine, settings: Settings, incidents: IncidentSink | None) -> Guarded:
     """The guarded configuration on a serving engine of its own: one slot, the fp32 standby, faults
-    allowed (this is the test harness)."""
+    allowed (this is the test harness), and the audit as `qladder serve`'s defaults run it (its
+    floor, its spare share within its budget: its cost is in the latency figures). Not the
+    endpoint detector: the harness faults single requests on purpose, which a test for a
+    persistently broken pool is meant to see (bench/detection_c8.py measures it)."""
     from qladder.sanitize import PRESETS
+    from qladder.server.topology import default_pools
 
+    int4, standby = default_pools()
+    audit = int4.audit_share(standby)
     se = ServingEngine(ServingConfig(slots=1, n_ctx=settings.n_ctx, int4_threads=settings.n_threads,
-                                     standby_threads=settings.n_threads, allow_faults=True),
+                                     standby_threads=settings.n_threads, allow_faults=True, audit_rate=audit,
+                                     audit_spare_rate=int4.audit_spare_rate, audit_budget=int4.audit_budget),
                        info, settings, incidents, standby_engines=[fp32])
     return Guarded(se, Preparer(info, se.int4.tokenize, min(se.n_ctx), PRESETS["default"]))
 

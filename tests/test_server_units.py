@@ -218,6 +218,13 @@ def test_the_audit_and_its_test_are_on_by_default_where_an_in_process_standby_ca
     with pytest.raises(ConfigError, match="audit_spare_rate must be in"):
         parse_topology({"pools": [{"name": "int4", "rungs": ["int4"], "weight": 1.0, "handoff_to": "s",
                                    "audit_spare_rate": 2}, {"name": "s", "rungs": ["fp32"]}]})
+    # the prompt cache's budget reaches the scheduler; a negative one is refused
+    cached = parse_topology({"pools": [{"name": "int4", "rungs": ["int4"], "weight": 1.0, "handoff_to": "s",
+                                        "prompt_cache_mb": 3}, {"name": "s", "rungs": ["fp32"]}]})
+    assert serving_config(cached, s).scheduler.prompt_cache_bytes == 3 << 20
+    with pytest.raises(ConfigError, match="prompt_cache_mb must be >= 0"):
+        parse_topology({"pools": [{"name": "int4", "rungs": ["int4"], "weight": 1.0, "handoff_to": "s",
+                                   "prompt_cache_mb": -1}, {"name": "s", "rungs": ["fp32"]}]})
 
 
 def test_a_remote_pool_needs_its_url_and_only_a_remote_rung_takes_one():

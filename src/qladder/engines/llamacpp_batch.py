@@ -344,8 +344,7 @@ class BatchedLlamaCpp(LlamaVocabMixin):
 
     def holds_prefix(self, slot: int) -> None:
         """The slot's first positions are the cached prefix's KV (a state restored from a slot that held it)."""
-        if self.prefix:
-            self._holds_prefix.add(slot)
+        self._holds_prefix.add(slot)
 
     def carry_peaks(self, slot: int, peaks: np.ndarray, rest: np.ndarray) -> None:
         """Set the slot's peaks, as a monitored prefill of its earlier positions left them: the

@@ -625,9 +625,9 @@ class ServingEngine:
     def _prompt_stats(self) -> dict[str, float]:
         """The in-process pool's prompt cache (serving/prompt_states.py): hits, misses, entries,
         bytes (plain ints the scheduler's thread writes, read here at scrape time)."""
-        p = getattr(self.scheduler, "prompts", None)
-        if p is None:
+        if not isinstance(self.scheduler, Int4Scheduler):
             return {}
+        p = self.scheduler.prompts
         return {"prompt_hits": p.hits, "prompt_misses": p.misses, "prompt_entries": len(p), "prompt_bytes": p.bytes}
 
     def _audit_stats(self) -> dict[str, float]:

@@ -86,7 +86,3 @@ class PromptStates:
             _, gone = self._entries.popitem(last=False)
             self.bytes -= gone.nbytes
             self.evictions += 1
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.bytes = 0

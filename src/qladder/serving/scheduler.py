@@ -379,14 +379,14 @@ class Int4Scheduler:
             prefix = self.engine.prefix
             if key is not None and self._restore(s, key):
                 pass  # the whole prompt's state: only its last token is decoded, in the next batch
-            elif prefix and s.n_past == 0 and len(s.feed) > len(prefix) and tuple(s.feed[:len(prefix)]) == prefix:
-                s.n_past = self.engine.copy_prefix(s.slot)  # the shared system turn, prefilled once
-                del s.feed[:s.n_past]
-                self.prefix_hits += 1
-                s.cache_key = key
             else:
-                self.engine.truncate(s.slot, 0)
-                s.cache_key = key
+                s.cache_key = key  # kept once its prefill ends (_store)
+                if prefix and s.n_past == 0 and len(s.feed) > len(prefix) and tuple(s.feed[:len(prefix)]) == prefix:
+                    s.n_past = self.engine.copy_prefix(s.slot)  # the shared system turn, prefilled once
+                    del s.feed[:s.n_past]
+                    self.prefix_hits += 1
+                else:
+                    self.engine.truncate(s.slot, 0)
             # The request's gain faults, if any: an activation outlier through the real kernels, this slot only.
             s.gain = fault_seam.slot_gains(self.engine, s.slot, s.m.req.faults)
             self.slot_log.append((self.steps, "admit", s.m.request_id, s.slot))

@@ -1,4 +1,4 @@
-"""One contract, run against every engine: the scripted fake, the three real rungs and the batched
+"""One contract, run against every engine: the scripted fake, the four real rungs and the batched
 form of the fp32 rung that the standby runs."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _greedy(session: Session, n: int) -> tuple[list[int], list[torch.Tensor]]:
     return toks, rows
 
 
-@pytest.fixture(params=["scripted", "int4", "w4a16", "fp32", "fp32-batched"])
+@pytest.fixture(params=["scripted", "int4", "int8", "w4a16", "fp32", "fp32-batched"])
 def engine(request) -> Engine:
     if request.param == "scripted":
         return _scripted()

@@ -10,10 +10,13 @@ from qladder.engines.base import Engine, Session, StepOutput, check_handoff, tok
 from qladder.errors import ConfigError
 from qladder.model import ModelInfo, inspect_model
 
-RUNGS = ("int4", "w4a16", "fp32", "bf16")
+RUNGS = ("int4", "int8", "w4a16", "fp32", "bf16")
+# llama.cpp rungs: the model file as given, or that model quantized to Q8_0 (qladder.levels) by
+# llama.cpp's quantizer from its full-precision weights, made once into the cache
+LLAMA_RUNGS = {"int4": None, "int8": "Q8_0"}
 
-__all__ = ["RUNGS", "Engine", "Session", "StepOutput", "check_handoff", "check_rungs", "instrument", "load_engine",
-           "tokenizer_fingerprint"]
+__all__ = ["LLAMA_RUNGS", "RUNGS", "Engine", "Session", "StepOutput", "check_handoff", "check_rungs", "instrument",
+           "level_info", "load_engine", "tokenizer_fingerprint"]
 
 
 def check_rungs(rungs: Sequence[str]) -> None:
@@ -30,6 +33,16 @@ def instrument(engine: Engine, activations: bool, row_stats: bool) -> None:
     engine.instrument(activations, row_stats)
 
 
+def level_info(info: ModelInfo, rung: str, settings: Settings) -> ModelInfo:
+    """The model file a llama.cpp rung loads: `info`'s own for int4, its Q8_0 level for int8."""
+    level = LLAMA_RUNGS[rung]
+    if level is None:
+        return info
+    from qladder.levels import level_gguf
+
+    return inspect_model(level_gguf(info, level, settings.cache_dir, threads=settings.n_threads), settings.cache_dir)
+
+
 def load_engine(
     rung: str, model: ModelInfo | str | Path | None = None, settings: Settings | None = None
 ) -> Engine:
@@ -42,11 +55,11 @@ def load_engine(
     import torch
 
     torch.set_num_threads(s.n_threads)
-    if rung == "int4":
+    if rung in LLAMA_RUNGS:
         from qladder.engines.llamacpp import LlamaCppEngine
 
-        return LlamaCppEngine(info, n_ctx=s.n_ctx, n_threads=s.n_threads,
-                              monitor_dir=s.cache_dir if s.int4_monitor else None)
+        return LlamaCppEngine(level_info(info, rung, s), n_ctx=s.n_ctx, n_threads=s.n_threads,
+                              monitor_dir=s.cache_dir if s.int4_monitor else None, name=rung)
     from qladder.engines.torch_engine import TorchEngine
 
     return TorchEngine(info, rung, cache_dir=s.cache_dir, n_ctx=s.n_ctx, n_threads=s.n_threads)

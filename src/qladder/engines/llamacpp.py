@@ -25,6 +25,7 @@ import torch
 from qladder.engines.base import StepOutput, TokenIdsMixin, tokenizer_fingerprint
 from qladder.engines.monitor import ActivationMonitor
 from qladder.errors import EngineError, InputError, ModelError, check_prompt_fits
+from qladder.levels import level_name
 from qladder.model import ModelInfo
 
 # Bytes that ordinary text never produces alone: UTF-8 lead and continuation bytes (>= 0x80, left
@@ -135,8 +136,9 @@ class LlamaCppEngine(LlamaVocabMixin):
     monitor_is_cheap = False  # a monitored step splits llama.cpp's graph at each layer output
 
     def __init__(self, info: ModelInfo, n_ctx: int = 2048, n_threads: int = 1, n_batch: int = 512,
-                 monitor_dir: Path | None = None):
-        """monitor_dir: where to build the C activation monitor; None runs without it."""
+                 monitor_dir: Path | None = None, name: str = "int4"):
+        """monitor_dir: where to build the C activation monitor; None runs without it. name: the
+        rung it is ("int4"; "int8" on a Q8_0 file)."""
         import llama_cpp
 
         self._lib = llama_cpp
@@ -157,8 +159,8 @@ class LlamaCppEngine(LlamaVocabMixin):
         except (ValueError, RuntimeError, OSError) as exc:
             raise ModelError(f"llama.cpp cannot load {info.path}: {exc}") from exc
         self.info = info
-        ftype = {2: "Q4_0", 3: "Q4_1"}.get(info.file_type, f"file type {info.file_type}")
-        self.precision = f"{ftype} weights, llama.cpp CPU kernels (fp32 activations)"
+        self.name = name
+        self.precision = f"{level_name(info.file_type)} weights, llama.cpp CPU kernels (fp32 activations)"
         self.n_ctx = int(self.llm.n_ctx())
         self.n_vocab = int(self.llm.n_vocab())
         self.n_layer = info.n_layer

@@ -255,6 +255,52 @@ def validate(
     _verdicts(results, out, check)
 
 
+@app.command()
+def sweep(
+    quick: Annotated[bool, typer.Option("--quick", help="A prompt of each class per half, short answers "
+                                                        "(minutes).")] = False,
+    out: Annotated[Path, typer.Option(help="Folder for outcomes.jsonl, results.json, report.md, "
+                                           "boundary.png.")] = Path("qladder-sweep"),
+    model: Annotated[Path | None, typer.Option(help="The highest-precision GGUF you have (F32/F16/BF16 as it is; a "
+                                                     "quantized one is dequantized to F32 first). Default: the "
+                                                     "embedded model (its full precision: the fp32 rung's).")] = None,
+    levels: Annotated[str | None, typer.Option(help="Comma-separated levels (default: Q2_K,Q3_K_M,Q4_0,Q4_1,"
+                                                    "Q4_K_M,Q5_K_M,Q6_K,Q8_0).")] = None,
+    reference: Annotated[str, typer.Option(
+        help="The level whose train-half intervals are the default bound.")] = "Q8_0",
+    min_agreement: Annotated[float | None, typer.Option(
+        "--min-agreement", min=0.0, max=1.0,
+        help="Your bound instead: teacher-forced top-1 agreement per class.")] = None,
+    max_garbage: Annotated[float | None, typer.Option(
+        "--max-garbage", min=0.0, max=1.0, help="Your bound instead: the bare garbage rate per class.")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", min=1, help="Threads of each engine (default: "
+                                                "QLADDER_THREADS, else 1).")] = None,
+    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+) -> None:
+    """The precision boundary over quantization levels: llama.cpp's quantizer makes each level from
+    the model's full-precision weights; each is measured for agreement with fp32, garbage (bare and
+    guarded), hazards, throughput at c1 and c8, and memory, by prompt class.
+
+    `python -m qladder.validate.sweep_figures OUT` recomputes every figure from outcomes.jsonl."""
+    from qladder.validate.sweep import SweepConfig
+    from qladder.validate.sweep import sweep as run_sweep
+
+    _quiet_libraries()
+    try:
+        kw: dict[str, Any] = {"reference_level": reference, "model": model,
+                              **_given(min_agreement=min_agreement, max_garbage=max_garbage, threads=threads)}
+        if levels:
+            kw["levels"] = tuple(x.strip() for x in levels.split(",") if x.strip())
+        cfg = SweepConfig.quick_preset(**kw) if quick else SweepConfig(**kw)
+        results = run_sweep(cfg, out, show_progress=progress, log=lambda s: typer.echo(s, err=True))
+    except QladderError as exc:
+        _fail(str(exc))
+        return
+    rec = results["figures"]["recommendation"]
+    typer.echo(json.dumps({"recommendation": rec["level"], "bits_per_weight": rec["bits_per_weight"],
+                           "verdicts": rec["verdicts"], "out": str(out)}, indent=2))
+
+
 def _given(**options: object) -> dict[str, object]:
     """The options the user gave (not None): they override a run config's defaults."""
     return {k: v for k, v in options.items() if v is not None}

@@ -245,18 +245,23 @@ class TorchEngine:
         self._fault_handles = []
 
     # -- sessions ----------------------------------------------------------------------------
-    def score(self, prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> list[float]:
-        """Log-probability of each answer token given the prompt and the answer before it, in one
-        teacher-forced forward (for judging answers; no session, no cache, no hooks' faults)."""
-        if not answer_ids:
-            return []
+    def rows(self, prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> torch.Tensor:
+        """The logits rows that predict each answer token ((n, V), fp32), given the prompt and the
+        answer before it, in one teacher-forced forward (no session, no cache, no hooks' faults)."""
         ids = [*prompt_ids, *answer_ids]
         if len(ids) > self.n_ctx:
             raise InputError(f"{len(ids)} tokens do not fit the context of {self.n_ctx}")
         with torch.inference_mode():
             logits = self.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
-        start = len(prompt_ids)
-        logp = torch.log_softmax(logits[start - 1 : len(ids) - 1], dim=-1)
+        rows: torch.Tensor = logits[len(prompt_ids) - 1 : len(ids) - 1]
+        return rows
+
+    def score(self, prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> list[float]:
+        """Log-probability of each answer token given the prompt and the answer before it (for
+        judging answers): `rows`, log-softmaxed."""
+        if not answer_ids:
+            return []
+        logp = torch.log_softmax(self.rows(prompt_ids, answer_ids), dim=-1)
         return logp.gather(1, torch.tensor(list(answer_ids)).unsqueeze(1)).squeeze(1).tolist()
 
     def open(self, prompt_ids: Sequence[int]) -> TorchSession:

@@ -123,6 +123,31 @@ def window_rate_ratio(a: Sequence[Window], b: Sequence[Window], seed: int = SEED
                     f"resamples, {CONFIDENCE:.0%}")
 
 
+def mean_interval(values: Sequence[float], unit: str = "answers", seed: int = SEED) -> Interval:
+    """The mean of per-unit values (an answer's top-1 agreement), with its bootstrap over units."""
+    x = np.array(values, dtype=float)
+
+    def stat(v: np.ndarray, axis: int = -1) -> np.ndarray:
+        return np.asarray(v.mean(axis=axis))
+
+    value = float(x.mean()) if len(x) else None
+    low, high = _interval((x,), stat, False, seed)
+    if value is not None and low is None and len(x) >= 2 and np.all(x == x[0]):  # all the same: no spread
+        low = high = value
+    return Interval(value, low, high, len(x), unit, f"percentile bootstrap (scipy) of the mean, {BOOTSTRAP} "
+                    f"resamples, {CONFIDENCE:.0%}")
+
+
+def rate_interval(k: int, n: int, unit: str = "answers") -> Interval:
+    """k of n (a garbage rate), with the Wilson score interval (scipy.stats.binomtest)."""
+    from scipy.stats import binomtest
+
+    if n == 0:
+        return Interval(None, None, None, 0, unit, "Wilson score interval")
+    ci = binomtest(k, n).proportion_ci(confidence_level=CONFIDENCE, method="wilson")
+    return Interval(k / n, float(ci.low), float(ci.high), n, unit, f"Wilson score interval (scipy), {CONFIDENCE:.0%}")
+
+
 def status(iv: Interval, limit: float, higher_is_better: bool, min_units: int = 2) -> str:
     """pass, fail or inconclusive (no data: nothing to judge)."""
     if iv.value is None:

@@ -39,6 +39,8 @@ reader needs to recompute each figure of the run's report (`qladder.validate.rec
     verify_kept                     INT4 drafts in them, and the drafts that stood
     migrations                      pools of replicas: how many times the answer's stream went on
                                     at a sibling replica after its own died (None: not reported)
+    level, kl_top5                  `qladder sweep`: the quantization level (Q4_0, ...) that answered,
+                                    and the audit's KL estimate over its top 5 (qladder.audit.score)
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ class Outcome:
     verify_drafts: int | None = None
     verify_kept: int | None = None
     migrations: int | None = None  # a pool of replicas: the stream went on at a sibling this many times
+    # the sweep (validate/sweep.py): the quantization level that answered, and the audit's KL estimate
+    level: str | None = None
+    kl_top5: float | None = None
 
     # -- what the figures need ------------------------------------------------------------------
     @property

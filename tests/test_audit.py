@@ -10,8 +10,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from qladder.audit import AuditJob, AuditRecord, AuditTrail, DriftWatch, calibrate_drift_bound, score, selected
+from qladder.audit import (
+    AuditJob,
+    AuditRecord,
+    AuditTrail,
+    DriftWatch,
+    TopRow,
+    calibrate_drift_bound,
+    score,
+    score_top,
+    selected,
+)
 from qladder.classify import classify
 from qladder.validate.corpora import split_of
 
@@ -49,6 +61,44 @@ def test_score_reads_agreement_divergence_kl_and_gap_from_the_rows():
     assert r.excess == pytest.approx(want, rel=1e-5) and exact.excess is not None and exact.excess <= 0.0
     unlikely = score(_job([0, 0, 0], [same] * 3), rows)  # tokens fp32 gives ~e-10: far over its entropy
     assert unlikely.excess is not None and unlikely.excess > 9.0
+
+
+def _top_rows(rows: torch.Tensor, answer: list[int], k: int) -> list[TopRow]:
+    """What vLLM's prompt_logprobs = k report of full rows: each token's logprob and rank, the top k."""
+    logp = torch.log_softmax(rows.double(), dim=-1)
+    out = []
+    for row, t in zip(logp, answer, strict=False):
+        vals, idx = torch.topk(row, k)
+        out.append(TopRow(float(row[t]), int((row > row[t]).sum()) + 1,
+                          tuple(zip(idx.tolist(), vals.tolist(), strict=True))))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), k=st.integers(1, 12), scale=st.floats(0.1, 6.0), greedy=st.booleans())
+def test_scoring_from_the_top_k_is_exact_where_it_can_be_and_never_overstates_the_excess(seed, k, scale, greedy):
+    """A remote standby's audit (score_top, from vLLM's top-k prompt logprobs) against the full
+    rows' (score): agreement, first divergence and fp32_gap the same; the excess at or under the
+    exact one (the entropy bounded above), so a detector calibrated on exact scores alarms no more
+    often; with every token reported, everything the same."""
+    g = torch.Generator().manual_seed(seed)
+    v, n = 16, 6
+    rows = torch.randn((n, v), generator=g, dtype=torch.float64) * scale
+    answer = (rows.argmax(dim=-1) if greedy else torch.randint(0, v, (n,), generator=g)).tolist()
+    top = [tuple((int(t), float(x)) for t, x in zip(torch.randperm(v, generator=g)[:5].tolist(),
+                                                     torch.log_softmax(torch.randn(5, generator=g), 0).tolist(),
+                                                     strict=True)) for _ in range(n)]
+    job = AuditJob("r", "qa", "int4", (1, 2), tuple(answer), tuple(top), greedy=greedy)
+    exact = score(job, rows)
+    bounded = score_top(job, _top_rows(rows, answer, k), v)
+    assert (bounded.agreement, bounded.first_divergence, bounded.tokens) == \
+        (exact.agreement, exact.first_divergence, exact.tokens)
+    assert bounded.fp32_gap == pytest.approx(exact.fp32_gap, abs=1e-6)
+    assert exact.excess is not None and bounded.excess is not None and bounded.excess <= exact.excess + 1e-5
+    whole = score_top(job, _top_rows(rows, answer, v), v)
+    assert whole.excess == pytest.approx(exact.excess, abs=1e-5) and whole.kl_top5 == pytest.approx(exact.kl_top5,
+                                                                                                  abs=1e-5)
+    assert whole.key == exact.key and whole.greedy == exact.greedy
 
 
 def test_a_record_names_a_probe_and_what_it_is_evidence_of():

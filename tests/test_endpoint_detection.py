@@ -121,14 +121,30 @@ def test_a_corrupted_llama_server_replica_is_condemned_by_the_audit_and_its_sibl
     replica) until the audit's test decides. The corrupted replica's URL alone is ejected (an
     incident with the evidence, its detector state), condemned in the pool (no stream goes to it,
     whatever its /health says), its sibling serves on, and a probe of it alone is audited."""
+    _condemn_the_corrupted_replica(model_info, tmp_path, {}, [get_engine("fp32")])
+
+
+@pytest.mark.slow
+def test_a_vllm_standby_audits_through_its_prompt_logprobs_and_condemns_the_corrupted_replica(
+        model_info, vllm_server, tmp_path):
+    """The same with the standby on vLLM's OpenAI server (the fp32 folder): the audited answers
+    are scored through its prompt logprobs (each token's rank and logprob, fp32's top 20:
+    serving/remote_auditor.py) against the same committed thresholds."""
+    se = _condemn_the_corrupted_replica(model_info, tmp_path, {"standby_rungs": ("vllm",),
+                                                                 "standby_url": vllm_server.base_url}, None)
+    assert se.standby is None and se.remote_auditor is not None and se.remote_auditor.failed == 0
+
+
+def _condemn_the_corrupted_replica(model_info, tmp_path, standby: dict, engines: list | None) -> ServingEngine:
     bad = tmp_path / "scale-x30-rows.gguf"
     patch_scales(model_info.path, bad, "blk.5.ffn_down.weight", rows="0-7", blocks="all", x=30.0)
     servers = [LlamaServer(path, n_parallel=2, threads=1, n_ctx_per_slot=1024).start()
                for path in (model_info.path, bad)]
     clean, broken = (s.base_url for s in servers)
     store = IncidentStore(tmp_path / "incidents.db")
-    cfg = ServingConfig(remote_url=(clean, broken), audit_rate=1.0, detector=committed(), probe_every_s=0.0)
-    se = ServingEngine(cfg, model_info, incidents=store, standby_engines=[get_engine("fp32")])
+    cfg = ServingConfig(remote_url=(clean, broken), audit_rate=1.0, detector=committed(), probe_every_s=0.0,
+                        **standby)
+    se = ServingEngine(cfg, model_info, incidents=store, standby_engines=engines)
     alarms: list = []
     se.alarm_observers.append(alarms.append)
     try:
@@ -170,6 +186,7 @@ def test_a_corrupted_llama_server_replica_is_condemned_by_the_audit_and_its_sibl
         store.close()
         for s in servers:
             s.stop()
+    return se
 
 
 def _eject(se: ServingEngine, endpoint: str) -> None:

@@ -3,6 +3,8 @@ embedded model's full-precision weights, and a handoff INT4 -> INT8 -> FP32 that
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -97,13 +99,19 @@ def test_a_hazard_climbs_int4_to_int8_and_int8_as_rung_0_climbs_to_fp32():
 def test_the_serving_engine_hands_int4_off_to_an_int8_standby_rung_first(model_info, settings):
     """`qladder generate --ladder int4,int8,fp32`'s path: the serving engine's standby runs int8 then
     fp32; a NaN row at step 3 climbs to int8, which continues the answer from the same ids."""
+    from qladder.engines.torch_batch import BatchedTorch
     from qladder.serving import ServingConfig, ServingEngine
 
     int8, fp32 = get_engine("int8"), get_engine("fp32")
-    se = ServingEngine(ServingConfig(slots=1, allow_faults=True), model_info, settings, standby_engines=[int8, fp32])
+    se = ServingEngine(ServingConfig(slots=1, allow_faults=True, audit_rate=1.0), model_info, settings,
+                       standby_engines=[int8, fp32])
     try:
         p = _chat(se.int4)
         r = se.generate_sync(se.request(p, SamplingParams(max_tokens=10), faults=[parse_fault("nan@step=3")]))
+        # the audit scores with full precision (rung 2 here), and verified decoding is not int8's
+        assert se.auditor is not None and se.standby is not None
+        assert isinstance(se.auditor.engine, BatchedTorch) and se.auditor.engine is se.standby.engines[2]
+        assert not se.verifies
     finally:
         se.close()
     assert se.rungs == ["int4", "int8", "fp32"]
@@ -115,3 +123,17 @@ def test_the_serving_engine_hands_int4_off_to_an_int8_standby_rung_first(model_i
         s.push(cont[-1])
     s.close()
     assert list(r.token_ids[3:]) == cont
+
+
+def test_the_quantizers_own_stderr_goes_to_the_levels_log_and_comes_back(tmp_path):
+    """llama.cpp's quantizer writes each fallback to file descriptor 2, past its log callback:
+    `_stderr_to` sends that descriptor to the level's log for the call and restores it after."""
+    from qladder.levels import _stderr_to
+
+    before = os.fstat(2)
+    log = tmp_path / "Q2_K.quantize.log"
+    with _stderr_to(log):
+        os.write(2, b"warning: blk.0.attn_k.weight - falling back to q4_0\n")
+    after = os.fstat(2)
+    assert log.read_bytes() == b"warning: blk.0.attn_k.weight - falling back to q4_0\n"
+    assert (before.st_dev, before.st_ino) == (after.st_dev, after.st_ino)

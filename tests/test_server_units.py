@@ -202,16 +202,16 @@ def test_the_audit_and_its_test_are_on_by_default_where_an_in_process_standby_ca
     assert undetected.audit_rate == 0.05 and undetected.detector is None
     remote = parse_topology({"pools": [{"name": "edge", "rungs": ["llama-server"], "url": "http://a:1", "weight": 1.0,
                                         "handoff_to": "gpu"}, {"name": "gpu", "rungs": ["vllm"], "url": "http://b:2"}]})
-    assert serving_config(remote, s).audit_rate == 0.0 and serving_config(remote, s).detector is None
+    # a vLLM standby audits too (its prompt logprobs: serving/remote_auditor.py)
+    assert serving_config(remote, s).audit_rate == AUDIT_FLOOR and serving_config(remote, s).detector == committed()
     # llama-server replicas beside an in-process standby: audited (each replica judged apart)
     replicas = serving_config(parse_topology({"pools": [
         {"name": "edge", "rungs": ["llama-server"], "urls": ["http://a:1", "http://a:2"], "weight": 1.0,
          "handoff_to": "s"}, {"name": "s", "rungs": ["fp32"]}]}), s)
     assert replicas.audit_rate == AUDIT_FLOOR and replicas.detector == committed()
-    with pytest.raises(ConfigError, match="audit_rate needs an in-process standby"):
+    with pytest.raises(ConfigError, match="audit_rate needs a standby"):
         parse_topology({"pools": [{"name": "edge", "rungs": ["llama-server"], "url": "http://a:1", "weight": 1.0,
-                                   "handoff_to": "gpu", "audit_rate": 0.1}, {"name": "gpu", "rungs": ["vllm"],
-                                                                              "url": "http://b:2"}]})
+                                   "audit_rate": 0.1}]})
     with pytest.raises(ConfigError, match="audit_budget must be in"):
         parse_topology({"pools": [{"name": "int4", "rungs": ["int4"], "weight": 1.0, "handoff_to": "s",
                                    "audit_budget": 1.5}, {"name": "s", "rungs": ["fp32"]}]})
@@ -442,3 +442,29 @@ def test_breaker_and_quarantine_route_through_the_gateway(vocab, model_info):
     assert 'qladder_breaker_state{pool="int4"} 2.0' in metrics
     assert 'qladder_breaker_transitions_total{pool="int4",to="open"} 1.0' in metrics
     assert "qladder_quarantine_size 3.0" in metrics
+
+
+def test_a_standby_may_put_int8_under_full_precision():
+    """INT4 -> INT8 -> FP32 in the topology: int8 only as an in-process standby's first rung; the
+    audit and verified decoding read full precision (never int8's answers)."""
+    from qladder.config import Settings
+    from qladder.health.detector import committed
+    from qladder.server.serve import serving_config
+    from qladder.server.topology import AUDIT_FLOOR
+
+    s = Settings.from_env()
+    pools = [{"name": "i", "rungs": ["int4"], "weight": 1.0, "handoff_to": "s"},
+             {"name": "s", "rungs": ["int8", "fp32"]}]
+    t = parse_topology({"pools": pools})
+    c = serving_config(t, s)
+    assert c.standby_rungs == ("int8", "fp32") and c.audit_rate == AUDIT_FLOOR and c.detector == committed()
+    alone = serving_config(parse_topology({"pools": [pools[0], {"name": "s", "rungs": ["int8"]}]}), s)
+    assert alone.audit_rate == 0.0 and alone.detector is None  # nothing full-precision to score with
+    with pytest.raises(ConfigError, match="int8 is a standby's first rung"):
+        parse_topology({"pools": [pools[0], {"name": "s", "rungs": ["fp32", "int8"]}]})
+    with pytest.raises(ConfigError, match="int8 is a standby's first rung"):
+        parse_topology({"pools": [pools[0], {"name": "s", "rungs": ["int8", "vllm"], "url": "http://b:2"}]})
+    with pytest.raises(ConfigError, match="whose first rung verifies"):
+        parse_topology({"pools": [{**pools[0], "precision": "verified"}, pools[1]]})
+    with pytest.raises(ConfigError, match="audit_rate needs a standby to hand off to with a full-precision rung"):
+        parse_topology({"pools": [{**pools[0], "audit_rate": 0.1}, {"name": "s", "rungs": ["int8"]}]})

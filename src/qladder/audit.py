@@ -23,7 +23,8 @@ every position of the INT4-written part of the answer, INT4's token with its own
 
 `AuditTrail` is what a request's machine keeps while INT4 decodes (its tokens' top-5 logprobs);
 at the end it hands an `AuditJob` to its sink (the standby's queue). `score` is the pure
-computation on full precision's rows; `DriftWatch` keeps each prompt class's recent agreement
+computation on full precision's rows, `score_top` the same from a remote standby's top-k of them
+(vLLM's prompt logprobs: the excess bounded, the rest exact); `DriftWatch` keeps each prompt class's recent agreement
 for a router that sends a class whose agreement falls below a bound to verified decoding.
 """
 
@@ -36,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -195,6 +196,54 @@ def score(job: AuditJob, rows: torch.Tensor) -> AuditRecord:
                        int(wrong[0]) if len(wrong) else None, float(kl.mean()), float(gap.mean()),
                        source="probe" if job.probe else "audit", excess=float((-own - entropy).mean()),
                        greedy=job.greedy, key=answer_key(job.prompt_ids, job.answer_ids, job.greedy))
+
+
+class TopRow(NamedTuple):
+    """Full precision's row at one answer position as a remote server reports it (vLLM's
+    `prompt_logprobs`): the answer token's logprob and rank (1: fp32's argmax) and the `k` most
+    likely tokens, as (id, logprob), most likely first."""
+
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+
+def score_top(job: AuditJob, rows: Sequence[TopRow], n_vocab: int) -> AuditRecord:
+    """`score` from the top k of full precision's rows instead of the whole rows (a remote
+    standby: vLLM's prompt logprobs). Agreement, first divergence and fp32_gap read the token's
+    rank and logprob and fp32's top one: exact. The entropy under `excess` is bounded above: the
+    known entries (the top k, and the token where it is outside them) as they are, the tail's
+    mass spread evenly over the rest of the vocabulary (the most entropy a tail of that mass can
+    have, each of its tokens under the k-th), so the excess is at or under the exact one, and a
+    detector calibrated on exact scores keeps its false-alarm rate (at some cost in power). The
+    KL estimate gives a token of INT4's top 5 that fp32's top k lacks that even share of the tail."""
+    n = len(job.answer_ids)
+    if len(rows) < n:
+        raise ValueError(f"{len(rows)} rows for an answer of {n} tokens")
+    agree, gaps, excess, kls = [], [], [], []
+    for i, (token, row) in enumerate(zip(job.answer_ids, rows, strict=False)):
+        known = dict(row.top)
+        known.setdefault(int(token), row.logprob)
+        probs = [math.exp(v) for v in known.values() if math.isfinite(v)]
+        tail_mass = max(0.0, 1.0 - sum(probs))
+        tail_n = max(1, n_vocab - len(known))
+        tail_lp = math.log(tail_mass / tail_n) if tail_mass > 0 else -math.inf
+        entropy = -sum(p * math.log(p) for p in probs if p > 0) \
+            + (tail_mass * (math.log(tail_n) - math.log(tail_mass)) if tail_mass > 0 else 0.0)
+        agree.append(row.rank == 1)
+        gaps.append(max(0.0, row.top[0][1] - row.logprob) if row.top else 0.0)
+        excess.append(-row.logprob - entropy)
+        if job.top:
+            ids = [t for t, _ in job.top[i]]
+            q = torch.softmax(torch.tensor([v for _, v in job.top[i]]), dim=-1)
+            p = torch.softmax(torch.tensor([known.get(t, tail_lp) for t in ids]), dim=-1)
+            kls.append(float((q * (q.clamp_min(1e-30).log() - p.clamp_min(1e-30).log())).sum()))
+    wrong = [i for i, a in enumerate(agree) if not a]
+    return AuditRecord(job.request_id, job.prompt_class, job.pool, n, sum(agree) / n if n else 1.0,
+                       wrong[0] if wrong else None, sum(kls) / len(kls) if kls else math.nan,
+                       sum(gaps) / n if n else 0.0, source="probe" if job.probe else "audit",
+                       excess=sum(excess) / n if n else 0.0, greedy=job.greedy,
+                       key=answer_key(job.prompt_ids, job.answer_ids, job.greedy))
 
 
 def calibrate_drift_bound(clean: dict[str, Sequence[tuple[int, float]]], min_answers: int = 20,

@@ -15,11 +15,13 @@ measured, never the level's nominal name.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import sys
 import tempfile
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +75,25 @@ def _publish(make: Callable[[Path], None], dst: Path) -> Path:
     return dst
 
 
+@contextlib.contextmanager
+def _stderr_to(path: Path) -> Iterator[None]:
+    """The process's stderr (file descriptor 2) into `path` while the block runs: llama.cpp's
+    quantizer prints each tensor that falls back to another type there, past its log callback
+    (180 lines for a K level of the embedded model). The file stays beside the level's GGUF;
+    `describe` reports the types the file holds."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with path.open("wb") as f:
+            os.dup2(f.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+
+
 def _levels_dir(info: ModelInfo, cache_dir: Path) -> Path:
     return cache_dir / "levels" / info.cache_key
 
@@ -121,6 +142,7 @@ def level_gguf(info: ModelInfo, level: str, cache_dir: Path, threads: int = 1, v
     if dst.is_file():
         return dst
     src = full_precision_gguf(info, cache_dir)
+    log = dst.with_suffix(".quantize.log")  # llama.cpp's own report of the quantization (unless verbose)
 
     def make(tmp: Path) -> None:
         import llama_cpp
@@ -131,9 +153,10 @@ def level_gguf(info: ModelInfo, level: str, cache_dir: Path, threads: int = 1, v
         params.ftype = LEVELS[level]
         set_verbose(verbose)  # llama.cpp's log (each tensor, each fallback) through llama-cpp-python's logger,
         # as `Llama(verbose=...)` sets it
-        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        with contextlib.nullcontext() if verbose else _stderr_to(log):
+            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
         if rc != 0:
-            raise ModelError(f"llama.cpp could not quantize {src} to {level} (code {rc})")
+            raise ModelError(f"llama.cpp could not quantize {src} to {level} (code {rc}; its log: {log})")
 
     return _publish(make, dst)
 

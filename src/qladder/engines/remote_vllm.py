@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
+from qladder.audit import TopRow
 from qladder.engines.remote import HttpRung, RemoteEnd, check_stream_status
 from qladder.errors import RemoteStreamError, RemoteTransportError
 from qladder.health.remote import RemoteToken, Scored
@@ -96,6 +97,18 @@ class VllmRung(HttpRung):
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
             raise RemoteStreamError(f"vLLM's prompt_logprobs are malformed: {exc!r}") from exc
 
+    async def score_top(self, client: httpx.AsyncClient, prompt: list[int], answer: list[int],
+                        k: int = 20) -> list[TopRow]:
+        """The audit's call: each answer token's logprob and rank after `prompt`, and fp32's top
+        `k` there (capped by the server's `--max-logprobs`), in one prefill."""
+        body = score_body(self.model, prompt, answer)
+        body["prompt_logprobs"] = k
+        reply = await _completion(client, self.base_url, body)
+        try:
+            return top_rows(reply, len(prompt), answer)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise RemoteStreamError(f"vLLM's prompt_logprobs are malformed: {exc!r}") from exc
+
     async def verify(self, client: httpx.AsyncClient, context: list[int], draft: list[int]) -> Verdict:
         """Verified decoding's one call: `draft` after `context` scored, and vLLM's own greedy
         token after it, in one prefill."""
@@ -132,6 +145,19 @@ def draft_scores(answer: dict[str, Any], n_prompt: int, draft: Sequence[int]) ->
     for row, t in zip(rows, draft, strict=True):
         best = next((int(k) for k, v in row.items() if int(v["rank"]) == 1), None)
         out.append(Scored(float(row[str(t)]["logprob"]), int(row[str(t)]["rank"]), best))
+    return out
+
+
+def top_rows(answer: dict[str, Any], n_prompt: int, answer_ids: Sequence[int]) -> list[TopRow]:
+    """Each answer token's logprob and rank and its position's entries by rank (the top k, and
+    the token's own where it is outside them) from the answer to `score_body` with
+    `prompt_logprobs` = k (errors as `draft_scores`)."""
+    rows = answer["choices"][0]["prompt_logprobs"][n_prompt:]
+    out = []
+    for row, t in zip(rows, answer_ids, strict=True):
+        ranked = sorted((int(v["rank"]), int(key), float(v["logprob"])) for key, v in row.items())
+        out.append(TopRow(float(row[str(t)]["logprob"]), int(row[str(t)]["rank"]),
+                          tuple((i, lp) for _, i, lp in ranked)))
     return out
 
 

@@ -72,6 +72,7 @@ from typing import TypeVar
 
 import httpx
 
+from qladder.audit import TopRow
 from qladder.engines.endpoint_board import NEWS_SKEW_S, EndpointBoard, EndpointNews
 from qladder.engines.remote import RemoteAt, RemoteEnd, RemoteItem, RemoteResumed
 from qladder.engines.remote_llama import LlamaServerRung
@@ -384,6 +385,16 @@ class Replicas:
     async def score(self, client: httpx.AsyncClient, prompt: list[int], draft: list[int]) -> list[Scored]:
         """Score on a healthy endpoint; a server's failure tries the next one."""
         return await self._call(client, lambda e: e.score(client, prompt, draft))
+
+    async def score_top(self, client: httpx.AsyncClient, prompt: list[int], answer: list[int],
+                        k: int = 20) -> list[TopRow]:
+        """The audit's call (vLLM replicas), on a healthy endpoint as `score`."""
+        def one(e: LlamaServerRung | VllmRung) -> Awaitable[list[TopRow]]:
+            if not isinstance(e, VllmRung):
+                raise TypeError(f"{e.server} cannot score an answer's top rows")
+            return e.score_top(client, prompt, answer, k)
+
+        return await self._call(client, one)
 
     async def verify(self, client: httpx.AsyncClient, context: list[int], draft: list[int]) -> Verdict:
         """Verified decoding's one call (vLLM replicas), on a healthy endpoint as `score`."""

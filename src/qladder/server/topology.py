@@ -31,8 +31,8 @@
     handoff_to = "standby"         # the pool that catches this pool's handoffs
     audit_rate = 0.05              # the audit: this share of INT4 answers scored teacher-forced by the
                                    # standby's first rung, off the request path when it has nothing else
-                                   # to do (default: 0.05 beside an in-process standby, each
-                                   # llama-server replica judged apart; 0 with a vLLM standby);
+                                   # to do (default: 0.05 beside a standby, in-process or vLLM
+                                   # (its prompt logprobs), each llama-server replica judged apart);
                                    # scores by class in /metrics
     audit_spare_rate = 0.5         # the share audited instead while the pool has a free slot and the
     audit_budget = 0.1             # audit's core-time over the last 30 s is under this share of the
@@ -53,7 +53,8 @@
 
     [[pools]]                      # the hot standby: full precision, shared by every handoff
     name = "standby"
-    rungs = ["fp32"]
+    rungs = ["fp32"]               # or ["int8", "fp32"]: a handoff tries the model's Q8_0 level first
+                                   # (INT4 -> INT8 -> FP32; the audit and verified decoding use fp32)
     sessions = 4                   # requests stepped at once; more wait in its FIFO queue
     threads = 1
     max_queue = 256
@@ -116,13 +117,15 @@ from qladder.server.shared_state import StateSettings
 from qladder.types import DEFAULT_MAX_TOKENS
 
 INT4_RUNGS = ("int4", "llama-server")  # in-process, or a remote llama.cpp server (`url`)
+MIDDLE_RUNGS = ("int8",)  # a standby's first rung under full precision: the model's Q8_0 level (levels.py)
 FULL_RUNGS = ("fp32", "bf16", "w4a16", "vllm")  # in-process torch, or a remote vLLM server (`url`)
 REMOTE_RUNGS = ("llama-server", "vllm")
 PRECISIONS = ("fast", "verified")
 # The audit's floor: the share of an INT4 pool's answers (in-process, or llama-server replicas)
-# scored by an in-process standby when the pool does not set audit_rate (its cost is measured by bench serve --box and
-# bench verified's int4-audit configuration; detection takes about 1 / AUDIT_FLOOR answers to the
-# first audited one, then every answer is audited until the test decides)
+# scored by the standby (in-process, or vLLM) when the pool does not set audit_rate (its cost is
+# measured by bench serve --box and bench verified's int4-audit configuration; detection takes
+# about 1 / AUDIT_FLOOR answers to the first audited one, then every answer is audited until the
+# test decides)
 AUDIT_FLOOR = 0.05
 
 
@@ -147,11 +150,12 @@ class PoolConfig:
     prompt_cache_mb: int = 512  # an in-process INT4 pool: prompts' KV states kept in memory (0: off)
 
     def audit_share(self, standby: PoolConfig | None) -> float:
-        """The share of this pool's answers audited: its audit_rate, or the floor where an
-        in-process standby can score its answers (in-process INT4, or llama-server replicas)."""
+        """The share of this pool's answers audited: its audit_rate, or the floor where a standby
+        scores its answers (in-process full precision's batched forward, or vLLM's prompt logprobs)."""
         if self.audit_rate is not None:
             return self.audit_rate
-        return AUDIT_FLOOR if self.kind == "int4" and standby is not None and standby.endpoints is None else 0.0
+        scores = standby is not None and any(r in FULL_RUNGS for r in standby.rungs)
+        return AUDIT_FLOOR if self.kind == "int4" and scores else 0.0
 
     @property
     def kind(self) -> str:
@@ -395,8 +399,9 @@ def _check_pools(pools: tuple[PoolConfig, ...], errors: list[str]) -> None:
             errors.append(f"{where}: rungs must not be empty")
             continue
         for r in p.rungs:
-            if r not in INT4_RUNGS + FULL_RUNGS:
-                errors.append(f"{where}: unknown rung {r!r} (choose from {', '.join(INT4_RUNGS + FULL_RUNGS)})")
+            if r not in INT4_RUNGS + MIDDLE_RUNGS + FULL_RUNGS:
+                errors.append(f"{where}: unknown rung {r!r} "
+                              f"(choose from {', '.join(INT4_RUNGS + MIDDLE_RUNGS + FULL_RUNGS)})")
         remote = [r for r in p.rungs if r in REMOTE_RUNGS]
         if p.url is not None and p.urls:
             errors.append(f"{where}: give url (one server) or urls (replicas), not both")
@@ -412,7 +417,11 @@ def _check_pools(pools: tuple[PoolConfig, ...], errors: list[str]) -> None:
         if p.kind == "int4" and len(p.rungs) > 1:
             errors.append(f"{where}: an INT4 pool has one rung; put full-precision rungs in the pool it hands off to")
         if p.kind == "standby" and any(r in INT4_RUNGS for r in p.rungs):
-            errors.append(f"{where}: a standby pool holds full-precision rungs only, not int4")
+            errors.append(f"{where}: a standby pool holds full-precision rungs (and int8 under them), not int4")
+        middle_misplaced = any(r in MIDDLE_RUNGS for r in p.rungs[1:])
+        if middle_misplaced or (p.rungs[0] in MIDDLE_RUNGS and any(r in REMOTE_RUNGS for r in p.rungs)):
+            errors.append(f"{where}: int8 is a standby's first rung, under in-process full-precision ones "
+                          "(rungs = [\"int8\", \"fp32\"])")
         if p.threads < 1 or p.slots < 1 or p.sessions < 1 or p.max_queue < 1:
             errors.append(f"{where}: threads, slots, sessions and max_queue must be >= 1")
         if not p.weight >= 0.0:
@@ -434,16 +443,17 @@ def _check_pools(pools: tuple[PoolConfig, ...], errors: list[str]) -> None:
         elif p.audit_rate > 0 and p.kind != "int4":
             errors.append(f"{where}: audit_rate is an INT4 pool's (its answers are re-scored)")
         elif p.audit_rate > 0 and not any((q.name == p.handoff_to if p.handoff_to else q.kind == "standby")
-                                          and q.rungs and q.rungs[0] not in REMOTE_RUNGS for q in pools):
-            errors.append(f"{where}: audit_rate needs an in-process standby to hand off to (its first rung "
-                          "scores the answers)")
+                                          and any(r in FULL_RUNGS for r in q.rungs) for q in pools):
+            errors.append(f"{where}: audit_rate needs a standby to hand off to with a full-precision rung (its "
+                          "first scores the answers)")
         if p.precision not in PRECISIONS:
             errors.append(f"{where}: precision must be one of {', '.join(PRECISIONS)}, got {p.precision!r}")
         elif p.precision == "verified" and p.kind != "int4":
             errors.append(f"{where}: precision = \"verified\" is an INT4 pool's (its drafts are verified)")
         elif p.precision == "verified" and not any(
                 q.name == p.handoff_to and q.rungs
-                and (q.rungs[0] == "vllm" if remote else q.rungs[0] not in REMOTE_RUNGS) for q in pools):
+                and (q.rungs[0] == "vllm" if remote else q.rungs[0] in FULL_RUNGS and q.rungs[0] not in REMOTE_RUNGS)
+                for q in pools):
             errors.append(f"{where}: precision = \"verified\" needs a standby pool to hand off to whose first rung "
                           "verifies: in-process under an in-process int4 rung, vllm under llama-server")
     int4 = [p for p in pools if p.kind == "int4"]

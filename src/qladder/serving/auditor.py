@@ -1,20 +1,15 @@
-"""The standby's drift audits (qladder.audit): jobs queued by finished INT4 answers, run in the
-turns the standby has nothing else to do, one chunk of `chunk` tokens a turn, so a handoff that
-arrives meanwhile waits at most one chunk (and, while handoffs keep it busy, in a bounded share
-of its turns: serving/standby.py). Urgent jobs (an answer of an endpoint whose test has not
-decided, or an ejected one's probe: what decides an alarm) run first, in order; then the newest
-ordinary job (under a backlog the freshest evidence, not the oldest), an endpoint's that turned
-suspect since first; an urgent job that comes
-while an ordinary one is under way sets it aside (its session kept) and runs first. Owned by the
-standby's worker thread; `offer`, `pending` and `spent` are the calls from other threads (two
-bounded deques behind a lock: a full one drops its oldest job, counted; the chunks' core-seconds
-over the last SPENT_WINDOW_S behind the same lock: what the engine's audit budget reads)."""
+"""The standby's drift audits (qladder.audit): jobs queued by finished INT4 answers
+(serving/audit_queue.py: urgent first, then the newest), run in the turns the standby has nothing
+else to do, one chunk of `chunk` tokens a turn, so a handoff that arrives meanwhile waits at most
+one chunk (and, while handoffs keep it busy, in a bounded share of its turns: serving/standby.py);
+an urgent job that comes while an ordinary one is under way sets it aside (its session kept) and
+runs first. Owned by the standby's worker thread; `offer`, `pending` and `spent` are the calls
+from other threads (the queue's lock; the chunks' core-seconds are what the engine's audit budget
+reads)."""
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -22,23 +17,17 @@ import torch
 from qladder.audit import AuditJob, AuditRecord, score
 from qladder.engines.torch_batch import BatchedTorch, BatchedTorchSession
 from qladder.errors import EngineError
+from qladder.serving.audit_queue import SPENT_WINDOW_S, AuditQueue
 
+__all__ = ["SPENT_WINDOW_S", "Auditor"]
 _log = logging.getLogger("qladder.audit")
-SPENT_WINDOW_S = 30.0  # the audit's recent cost is read over this window
 
 
 class Auditor:
     def __init__(self, engine: BatchedTorch, on_record: Callable[[AuditRecord], None], max_jobs: int = 64,
                  chunk: int = 64):
         self.engine, self.on_record, self.chunk = engine, on_record, chunk
-        self._jobs: deque[AuditJob] = deque()
-        self._urgent: deque[AuditJob] = deque()
-        # whether an endpoint is suspect now (set by the serving engine: its watch's audit_all): an
-        # ordinary job of one that turned suspect after the job was queued goes before the others
-        self.prefer: Callable[[str], bool] | None = None
-        self._max = max_jobs
-        self._lock = threading.Lock()
-        self.dropped = 0  # jobs dropped from a full queue
+        self.queue = AuditQueue(max_jobs)
         self.failed = 0  # jobs whose forward failed
         self.done = 0
         self._job: AuditJob | None = None
@@ -48,60 +37,55 @@ class Auditor:
         # an ordinary job set aside (its session kept) while an urgent one that came meanwhile runs
         self._paused: tuple[AuditJob, BatchedTorchSession, list[int], list[torch.Tensor]] | None = None
         self._delivering = False  # a scored job's record not yet with its observers (still pending)
-        self._spent: deque[tuple[float, float]] = deque()  # (chunk end, core-seconds), the last window's
 
     # -- any thread ------------------------------------------------------------------------------
+    @property
+    def prefer(self) -> Callable[[str], bool] | None:
+        return self.queue.prefer
+
+    @prefer.setter
+    def prefer(self, fn: Callable[[str], bool] | None) -> None:
+        self.queue.prefer = fn
+
+    @property
+    def dropped(self) -> int:
+        return self.queue.dropped
+
     def offer(self, job: AuditJob) -> None:
-        with self._lock:
-            jobs = self._urgent if job.urgent else self._jobs
-            if len(jobs) >= self._max:
-                jobs.popleft()
-                self.dropped += 1
-            jobs.append(job)
+        self.queue.offer(job)
 
     @property
     def runnable(self) -> bool:
         """A chunk can run now: a job under way, or one waiting and a free session slot for it."""
-        with self._lock:
-            waiting = bool(self._jobs or self._urgent)
-        return self._job is not None or (waiting and self.engine.free_slots > 0)
+        return self._job is not None or (self.queue.waiting > 0 and self.engine.free_slots > 0)
 
     @property
     def urgent(self) -> bool:
         """An urgent job is under way or waiting (a suspect endpoint's answer, a probe)."""
-        with self._lock:
-            waiting = bool(self._urgent)
-        return waiting or (self._job is not None and self._job.urgent)
+        return self.queue.urgent_waiting or (self._job is not None and self._job.urgent)
 
     def charge(self, now: float, core_s: float) -> None:
         """A chunk ran until `now` (the standby's clock) on `core_s` core-seconds (its thread)."""
-        with self._lock:
-            self._spent.append((now, core_s))
-            while self._spent and self._spent[0][0] < now - SPENT_WINDOW_S:
-                self._spent.popleft()
+        self.queue.charge(now, core_s)
 
     def spent(self, now: float) -> float:
         """Core-seconds the audit ran in the last SPENT_WINDOW_S (any thread)."""
-        with self._lock:
-            return sum(c for t, c in self._spent if t >= now - SPENT_WINDOW_S)
+        return self.queue.spent(now)
 
     @property
     def pending(self) -> int:
-        with self._lock:
-            return (len(self._jobs) + len(self._urgent) + (self._job is not None or self._delivering)
-                    + (self._paused is not None))
+        return (self.queue.waiting + (self._job is not None or self._delivering)
+                + (self._paused is not None))
 
     # -- the standby's thread --------------------------------------------------------------------
     def step(self, chunk: int | None = None) -> bool:
         """One chunk (`chunk` tokens, default the auditor's) of the current job (starting the next
         when none is current). False: no work."""
-        if self._job is not None and not self._job.urgent and self._paused is None and self.engine.free_slots > 0:
-            with self._lock:
-                urgent_waiting = bool(self._urgent)
-            if urgent_waiting:  # set the ordinary job aside: the urgent one decides an alarm
-                assert self._session is not None
-                self._paused = (self._job, self._session, self._feed, self._rows)
-                self._job, self._session, self._feed, self._rows = None, None, [], []
+        if self._job is not None and not self._job.urgent and self._paused is None and self.engine.free_slots > 0 \
+                and self.queue.urgent_waiting:  # set the ordinary job aside: the urgent one decides an alarm
+            assert self._session is not None
+            self._paused = (self._job, self._session, self._feed, self._rows)
+            self._job, self._session, self._feed, self._rows = None, None, [], []
         if self._job is None and not self._start():
             return False
         job, s = self._job, self._session
@@ -132,23 +116,13 @@ class Auditor:
         return True
 
     def _start(self) -> bool:
-        with self._lock:
-            if self._urgent:
-                job = self._urgent.popleft()
-            elif self._jobs:
-                job = next((j for j in reversed(self._jobs) if self.prefer is not None and self.prefer(j.pool)),
-                           self._jobs[-1])
-                self._jobs.remove(job)
-            else:
-                return False
+        job = self.queue.take()
+        if job is None:
+            return False
         try:
             self._session = self.engine.reserve(job.prompt_ids)
         except EngineError:  # no slot free: try again at the next idle turn
-            with self._lock:
-                if job.urgent:
-                    self._urgent.appendleft(job)
-                else:
-                    self._jobs.append(job)
+            self.queue.put_back(job)
             return False
         self._job = job
         self._feed = [*self._session.take_pending(), *job.answer_ids[:-1]]

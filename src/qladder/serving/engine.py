@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from qladder.actions import MoveTo
-from qladder.audit import AuditRecord, AuditTrail, selected
+from qladder.audit import AuditJob, AuditRecord, AuditTrail, selected
 from qladder.classify import classify
 from qladder.client import AsyncEvents, Request
 from qladder.config import Settings
@@ -42,6 +42,7 @@ from qladder.engines.remote import RemoteRung
 from qladder.engines.remote_llama import LlamaServerRung
 from qladder.engines.remote_vllm import VllmRung
 from qladder.engines.replicas import Replicas
+from qladder.engines.torch_batch import BatchedTorch
 from qladder.errors import ConfigError, InputError, QueueFullError, check_prompt_fits
 from qladder.health.detector import Detector
 from qladder.health.guard import StepGuard
@@ -51,12 +52,14 @@ from qladder.model import ModelInfo, inspect_model, user_prompt_ids
 from qladder.policy import LadderConfig
 from qladder.sampling import SamplingParams
 from qladder.serving.aborts import AbortRegistry
-from qladder.serving.auditor import SPENT_WINDOW_S
+from qladder.serving.audit_queue import SPENT_WINDOW_S
+from qladder.serving.auditor import Auditor
 from qladder.serving.cores import Cores
 from qladder.serving.drafts import should_draft
 from qladder.serving.endpoint_watch import Alarm, EndpointWatch
 from qladder.serving.handoffs import Handoffs
 from qladder.serving.remote import RemoteConfig, RemotePool
+from qladder.serving.remote_auditor import RemoteAuditor, scores_top
 from qladder.serving.remote_probe import probe_answer
 from qladder.serving.scheduler import Int4Scheduler, SchedulerConfig
 from qladder.serving.standby import StandbyPool
@@ -219,15 +222,24 @@ class ServingEngine:
             if remote else None
         self.handoffs.pools.update({j: self.standby for j in local if self.standby is not None})
         self.handoffs.pools.update({j: self.remote for j in remote if self.remote is not None})
+        # a vLLM standby scores the audited answers through its prompt logprobs, on the remote
+        # pool's loop, in the turns it is not continuing handoffs (serving/remote_auditor.py)
+        self.remote_auditor: RemoteAuditor | None = None
+        scorer = remote.get(1)
+        if (c.audit_rate > 0 or c.detector) and self.remote is not None and scores_top(scorer):
+            rp = self.remote
+            self.remote_auditor = RemoteAuditor(scorer, self.info.n_vocab, self._audited, rp.spawn,
+                                                rp.call_soon, lambda: rp.standby_active > 0,
+                                                max_jobs=c.audit_queue)
         # the endpoint detector: INT4's endpoints (the in-process pool, or each llama-server replica)
-        # audited by the in-process standby's first rung
+        # audited by the standby's first rung (in-process, or vLLM)
         self.watch: EndpointWatch | None = None
         if c.detector is not None and self.audits:
             self.watch = EndpointWatch(c.detector, c.probe_every_s)
             self.watch.observers.append(self._alarm)
             self.audit_observers.append(self.watch.record)
-            assert self.standby is not None and self.standby.auditor is not None
-            self.standby.auditor.prefer = self.watch.audit_all
+            assert self.auditor is not None
+            self.auditor.prefer = self.watch.audit_all
         self.probes = 0  # unshown INT4 answers sent to probe an ejected pool
         self.alarm_observers: list[Callable[[Alarm], None]] = []
         self.scheduler: Int4Scheduler | RemotePool
@@ -236,7 +248,7 @@ class ServingEngine:
             self.standby.may_return = lambda: not all(watch.ejected(e) for e in pool)
         if self.remote is not None and 0 in remote:
             self.scheduler = self.remote
-            if self.watch is not None and self.standby is not None:  # an ejected endpoint's answers leave it at once
+            if self.watch is not None:  # an ejected endpoint's answers leave it at once
                 watch, only = self.watch, self.int4_endpoints[0]
                 self.remote.ejected = lambda e: watch.ejected(e if e is not None else only)
         else:
@@ -244,7 +256,7 @@ class ServingEngine:
             self.scheduler = Int4Scheduler(self.int4, self.handoffs if standby_engines else None, self.aborts,
                                            c.scheduler, clock=clock, cores=self.cores)
             self.scheduler.standby_threads = c.standby_threads if self.standby is not None else 0
-            if self.watch is not None and self.standby is not None:  # an ejected pool's answers leave it at once
+            if self.watch is not None:  # an ejected pool's answers leave it at once
                 name, watch = self.int4.name, self.watch
                 self.scheduler.ejected = lambda: watch.ejected(name)
             if self.standby is not None:
@@ -306,9 +318,24 @@ class ServingEngine:
 
     @property
     def audits(self) -> bool:
-        """Whether INT4's answers can be audited here: an in-process standby's first rung scores
-        them (the INT4 pool in-process, or llama-server replicas)."""
-        return self.standby is not None and self.standby.auditor is not None and 1 in self.standby.engines
+        """Whether INT4's answers can be audited here: the standby's first rung scores them (an
+        in-process one's batched forward, or a vLLM server's prompt logprobs)."""
+        return self.auditor is not None
+
+    @property
+    def auditor(self) -> Auditor | RemoteAuditor | None:
+        """What scores the audited answers: the in-process standby's auditor (its first
+        full-precision rung), or a vLLM standby's."""
+        if self.standby is not None and self.standby.auditor is not None:
+            return self.standby.auditor
+        return self.remote_auditor
+
+    def _audit_sink(self, job: AuditJob) -> None:
+        """Where an answer's trail hands its audit job (any thread)."""
+        if self.standby is not None and self.standby.auditor is not None:
+            self.standby.audit(job)  # (and wakes the standby's thread)
+        elif self.remote_auditor is not None:
+            self.remote_auditor.offer(job)
 
     @property
     def int4_endpoints(self) -> list[str]:
@@ -368,10 +395,10 @@ class ServingEngine:
         probe = Request(f"probe-{uuid.uuid4().hex[:12]}", r.prompt_ids, SamplingParams(max_tokens=min(
             r.params.max_tokens, 64)), prompt_text=r.prompt_text, prompt_class=r.prompt_class, probe=True)
         if not isinstance(self.int4, BatchedLlamaCpp):
-            assert self.remote is not None and self.standby is not None
+            assert self.remote is not None
             rung = self.int4.endpoint(endpoint) if isinstance(self.int4, Replicas) else self.int4
             trail = AuditTrail(probe.request_id, r.prompt_class or classify(r.prompt_text), endpoint,
-                               self.standby.audit, probe=True)
+                               self._audit_sink, probe=True)
             self.remote.spawn(functools.partial(probe_answer, rung, probe, trail))
             self.probes += 1
             return
@@ -426,7 +453,7 @@ class ServingEngine:
         throughput is at most the budget (an in-process pool decodes on every core the audit
         does not hold; a remote one's servers may share this box's)."""
         c = self.config
-        auditor = self.standby.auditor if self.standby is not None else None
+        auditor = self.auditor
         if c.audit_spare_rate <= self.audit_rate or self.audit_rate <= 0 or auditor is None or auditor.pending >= 4:
             return self.audit_rate
         if self.scheduler.depth > 0 or self.scheduler.slots_in_use >= self.int4.n_slots:
@@ -479,9 +506,8 @@ class ServingEngine:
         under_test = probe or (w is not None and any(w.audit_all(e) and not w.ejected(e) for e in self.int4_endpoints))
         chosen = selected(r.request_id, self._audit_share())
         if self.audits and r.start_rung == 0 and not r.verified:  # (not chosen: a light trail, see AuditTrail)
-            assert self.standby is not None
             audit = AuditTrail(r.request_id, r.prompt_class or classify(r.prompt_text), self.int4_endpoints[0],
-                               self.standby.audit, greedy=r.params.greedy,
+                               self._audit_sink, greedy=r.params.greedy,
                                # urgent if the endpoint that wrote it (known at its end) is suspect
                                urgent=w.audit_all if w is not None else False,
                                chosen=chosen or under_test, probe=probe)
@@ -503,9 +529,11 @@ class ServingEngine:
     @property
     def verifies(self) -> bool:
         """Whether this engine serves verified requests: an in-process INT4 pool drafts and an
-        in-process rung 1 (the standby's first) decides, or a llama-server drafts and vLLM
-        decides (greedy; a sampled verified request is vLLM's alone)."""
-        in_process = isinstance(self.int4, BatchedLlamaCpp) and self.standby is not None and 1 in self.standby.engines
+        in-process full-precision rung 1 (the standby's first) decides, or a llama-server drafts
+        and vLLM decides (greedy; a sampled verified request is vLLM's alone). An int8 rung 1 does
+        not verify: verified answers are full precision's."""
+        in_process = isinstance(self.int4, BatchedLlamaCpp) and self.standby is not None \
+            and isinstance(self.standby.engines.get(1), BatchedTorch)
         return in_process or self._remote_verifies
 
     @property
@@ -631,7 +659,7 @@ class ServingEngine:
         return {"prompt_hits": p.hits, "prompt_misses": p.misses, "prompt_entries": len(p), "prompt_bytes": p.bytes}
 
     def _audit_stats(self) -> dict[str, float]:
-        a = self.standby.auditor if self.standby is not None else None
+        a = self.auditor
         if a is None:
             return {}
         return {"audits_done": a.done, "audits_dropped": a.dropped, "audits_failed": a.failed,

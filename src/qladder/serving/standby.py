@@ -113,10 +113,11 @@ class StandbyPool:
         self.prefill_chunk = prefill_chunk
         self.deadline_per_token_s = deadline_per_token_s
         self.cores, self.threads = cores, threads  # a lease of up to `threads` cores per forward
-        first = self.engines.get(1)
-        # drift audits (qladder.audit) on rung 1 in its batched form, in the turns with nothing else to do
-        self.auditor = Auditor(first, on_audit, max_jobs=audit_queue) \
-            if on_audit is not None and isinstance(first, BatchedTorch) else None
+        # drift audits (qladder.audit) on the first full-precision rung in its batched form (rung 1,
+        # or rung 2 above an int8 rung), in the turns with nothing else to do
+        full = next((e for _, e in sorted(self.engines.items()) if isinstance(e, BatchedTorch)), None)
+        self.auditor = Auditor(full, on_audit, max_jobs=audit_queue) \
+            if on_audit is not None and full is not None else None
         self.clock = clock
         self._inbox: queue.Queue[_Task | _Wake | None] = queue.Queue(maxsize=max_queue)
         self._waiting: deque[_Task] = deque()

@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from qladder.audit import AuditRecord
+from qladder.incident_schema import ADDED, AUDIT_COLUMNS, TABLES, column_ddl
 from qladder.incidents import Incident, IncidentStore, IncidentWriter, open_incident_store
 from qladder.peers.stores import PostgresServer
 from qladder.types import Hazard
@@ -160,3 +161,30 @@ def test_a_batch_after_a_postgres_restart_is_written_on_a_new_connection():
         store.close()
     finally:
         server.close()
+
+
+def test_a_store_made_before_the_added_columns_is_migrated_on_open(store_target):
+    """One schema for both dialects (incident_schema.py): a store whose audits table predates the
+    columns added since (source, excess) gains them on open, and both stores end with the
+    schema's columns in its order."""
+    dialect = "postgresql" if store_target.startswith("postgresql") else "sqlite"
+    kept = [c[0] for c in TABLES["audits"] if ("audits", c[0]) not in ADDED]
+    old = f"CREATE TABLE audits ({', '.join(column_ddl('audits', c, dialect) for c in kept)})"
+    if dialect == "sqlite":
+        import sqlite3
+
+        with sqlite3.connect(store_target) as db:
+            db.execute(old)
+    else:
+        import psycopg
+
+        with psycopg.connect(store_target, autocommit=True) as db:
+            db.execute(old)
+    store = open_incident_store(store_target)
+    try:
+        store.record_audits([AuditRecord("r1", "qa", "int4", 8, 0.875, 3, 0.01, 0.2, 1.0, excess=-0.5)])
+        (row,) = store.audits()
+    finally:
+        store.close()
+    assert list(row) == ["id", *AUDIT_COLUMNS.split(", ")]
+    assert row["source"] == "audit" and row["excess"] == -0.5 and row["agreement"] == 0.875

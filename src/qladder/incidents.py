@@ -15,102 +15,37 @@ replayed. The fingerprint is the hash of the sanitized, templated token ids (`pr
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import queue
 import sqlite3
 import threading
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from qladder.audit import AuditRecord
-from qladder.types import Hazard
+from qladder.incident_schema import (
+    ADDED,
+    AUDIT_COLUMNS,
+    AUDIT_WIDTH,
+    INCIDENT_COLUMNS,
+    INCIDENT_WIDTH,
+    Incident,
+    IncidentBackend,
+    IncidentSink,
+    audit_row,
+    column_ddl,
+    ddl,
+    incident_row,
+    prompt_hash,
+    storable,
+)
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS incidents (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    ts REAL NOT NULL,
-    request_id TEXT NOT NULL,
-    prompt_hash TEXT NOT NULL,
-    prompt_text TEXT,
-    prompt_ids TEXT NOT NULL,
-    rung TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    check_name TEXT NOT NULL,
-    layer INTEGER,
-    value REAL,
-    threshold REAL,
-    action TEXT NOT NULL,
-    handoff_latency_ms REAL,
-    faults TEXT NOT NULL,
-    detail TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS incidents_prompt ON incidents(prompt_hash);
-CREATE INDEX IF NOT EXISTS incidents_ts ON incidents(ts);
-CREATE TABLE IF NOT EXISTS audits (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    ts REAL NOT NULL,
-    request_id TEXT NOT NULL,
-    prompt_class TEXT NOT NULL,
-    pool TEXT NOT NULL,
-    tokens INTEGER NOT NULL,
-    agreement REAL NOT NULL,
-    first_divergence INTEGER,
-    kl_top5 REAL NOT NULL,
-    fp32_gap REAL NOT NULL,
-    source TEXT NOT NULL DEFAULT 'audit',
-    excess REAL
-);
-CREATE INDEX IF NOT EXISTS audits_ts ON audits(ts);
-"""
+__all__ = ["Incident", "IncidentBackend", "IncidentSink", "IncidentStore", "IncidentWriter", "is_postgres_url",
+           "open_incident_store", "prompt_hash"]
 
 _log = logging.getLogger("qladder.incidents")
-
-
-def prompt_hash(prompt_ids: Sequence[int]) -> str:
-    return hashlib.sha256(json.dumps(list(prompt_ids)).encode()).hexdigest()[:16]
-
-
-@dataclass
-class Incident:
-    request_id: str
-    prompt_hash: str
-    prompt_ids: list[int]
-    prompt_text: str | None
-    hazard: Hazard
-    action: str  # handoff:<rung> | stop:<reason> | eject:<endpoint> (the audit's test)
-    handoff_latency_ms: float | None
-    faults: list[str]
-    ts: float
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["hazard"] = self.hazard.to_dict()
-        return d
-
-
-IncidentSink = Callable[[Incident], None]
-
-
-class IncidentBackend(Protocol):
-    """What the writer and `qladder incidents` use of a store: SQLite (`IncidentStore`, the
-    default) or PostgreSQL (`qladder.incidents_pg.PostgresIncidentStore`, gateways sharing one
-    table). Both give the same rows: the same columns, non-finite numbers as text."""
-
-    path: str
-    redact: bool
-
-    def record_many(self, incidents: Sequence[Incident]) -> None: ...
-    def record_audits(self, records: Sequence[AuditRecord]) -> None: ...
-    def audits(self, limit: int = 1000, since: float | None = None) -> list[dict[str, Any]]: ...
-    def count(self) -> int: ...
-    def rows(self, limit: int = 1000, since: float | None = None) -> list[dict[str, Any]]: ...
-    def get(self, incident_id: int) -> dict[str, Any] | None: ...
-    def close(self) -> None: ...
 
 
 def is_postgres_url(target: str | Path) -> bool:
@@ -137,11 +72,10 @@ class IncidentStore:
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=10.0)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a committed row survives a process crash
-        self._db.executescript(SCHEMA)
-        have = {r[1] for r in self._db.execute("PRAGMA table_info(audits)")}
-        for column, ddl in (("source", "TEXT NOT NULL DEFAULT 'audit'"), ("excess", "REAL")):
-            if column not in have:  # a store from before it
-                self._db.execute(f"ALTER TABLE audits ADD COLUMN {column} {ddl}")
+        self._db.executescript(ddl("sqlite"))
+        for table, column in ADDED:
+            if column not in {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}:  # a store from before it
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column_ddl(table, column, 'sqlite')}")
         self._lock = threading.Lock()
 
     def __call__(self, incident: Incident) -> None:
@@ -156,18 +90,18 @@ class IncidentStore:
         with self._lock:
             self._db.execute("BEGIN")
             try:
-                self._db.executemany(f"INSERT INTO incidents ({INCIDENT_COLUMNS}) VALUES ({', '.join('?' * 15)})",
-                                     rows)
+                self._db.executemany(
+                    f"INSERT INTO incidents ({INCIDENT_COLUMNS}) VALUES ({', '.join('?' * INCIDENT_WIDTH)})", rows)
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
 
     def _row(self, inc: Incident) -> tuple[Any, ...]:
-        return incident_row(inc, self.redact, _storable, _finite)
+        return incident_row(inc, self.redact, storable, _finite)
 
     def record_audits(self, records: Sequence[AuditRecord]) -> None:
-        rows = [audit_row(a, _storable, _finite) for a in records]
+        rows = [audit_row(a, storable, _finite) for a in records]
         with self._lock:
             self._db.executemany(f"INSERT INTO audits ({AUDIT_COLUMNS}) VALUES ({', '.join('?' * AUDIT_WIDTH)})", rows)
 
@@ -201,43 +135,6 @@ class IncidentStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
-
-
-INCIDENT_COLUMNS = ("ts, request_id, prompt_hash, prompt_text, prompt_ids, rung, step, check_name, layer, value,"
-                    " threshold, action, handoff_latency_ms, faults, detail")
-AUDIT_COLUMNS = ("ts, request_id, prompt_class, pool, tokens, agreement, first_divergence, kl_top5, fp32_gap, source,"
-                 " excess")
-AUDIT_WIDTH = len(AUDIT_COLUMNS.split(","))
-
-
-def incident_row(inc: Incident, redact: bool, text: Callable[[str | None], str | None],
-                 number: Callable[[float | None], Any]) -> tuple[Any, ...]:
-    """An incident's values in INCIDENT_COLUMNS' order; `text` and `number` make a value storable
-    in the backend (each backend's own rule for invalid UTF-8, NUL and non-finite numbers)."""
-    h = inc.hazard
-    prompt, ids = (None, "null") if redact else (text(inc.prompt_text), json.dumps(inc.prompt_ids))
-    return (inc.ts or time.time(), text(inc.request_id), inc.prompt_hash, prompt, ids, h.rung, h.step,
-            h.check, h.layer, number(h.value), number(h.threshold), inc.action, inc.handoff_latency_ms,
-            json.dumps(inc.faults), text(h.detail))
-
-
-def audit_row(a: AuditRecord, text: Callable[[str | None], str | None],
-              number: Callable[[float | None], Any]) -> tuple[Any, ...]:
-    """A drift audit's values in AUDIT_COLUMNS' order."""
-    return (a.ts, text(a.request_id), a.prompt_class, a.pool, a.tokens, a.agreement, a.first_divergence,
-            number(a.kl_top5), number(a.fp32_gap), a.source, number(a.excess))
-
-
-def _storable(text: str | None) -> str | None:
-    """The raw prompt is kept for replay, but SQLite takes only valid UTF-8: a lone surrogate
-    (which a client can send in JSON) is stored as its escape, `\\ud800`."""
-    if text is None:
-        return None
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _finite(x: float | None) -> float | str | None:

@@ -25,51 +25,23 @@ from psycopg.rows import dict_row
 
 from qladder.audit import AuditRecord
 from qladder.errors import ConfigError
-from qladder.incidents import AUDIT_COLUMNS, AUDIT_WIDTH, INCIDENT_COLUMNS, Incident, _storable, audit_row, incident_row
+from qladder.incident_schema import (
+    AUDIT_COLUMNS,
+    AUDIT_WIDTH,
+    INCIDENT_COLUMNS,
+    INCIDENT_WIDTH,
+    Incident,
+    audit_row,
+    ddl,
+    incident_row,
+    storable,
+)
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS incidents (
-    id BIGSERIAL PRIMARY KEY,
-    ts DOUBLE PRECISION NOT NULL,
-    request_id TEXT NOT NULL,
-    prompt_hash TEXT NOT NULL,
-    prompt_text TEXT,
-    prompt_ids TEXT NOT NULL,
-    rung TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    check_name TEXT NOT NULL,
-    layer INTEGER,
-    value DOUBLE PRECISION,
-    threshold DOUBLE PRECISION,
-    action TEXT NOT NULL,
-    handoff_latency_ms DOUBLE PRECISION,
-    faults TEXT NOT NULL,
-    detail TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS incidents_prompt ON incidents(prompt_hash);
-CREATE INDEX IF NOT EXISTS incidents_ts ON incidents(ts);
-CREATE TABLE IF NOT EXISTS audits (
-    id BIGSERIAL PRIMARY KEY,
-    ts DOUBLE PRECISION NOT NULL,
-    request_id TEXT NOT NULL,
-    prompt_class TEXT NOT NULL,
-    pool TEXT NOT NULL,
-    tokens INTEGER NOT NULL,
-    agreement DOUBLE PRECISION NOT NULL,
-    first_divergence INTEGER,
-    kl_top5 DOUBLE PRECISION NOT NULL,
-    fp32_gap DOUBLE PRECISION NOT NULL,
-    source TEXT NOT NULL DEFAULT 'audit',
-    excess DOUBLE PRECISION
-);
-ALTER TABLE audits ADD COLUMN IF NOT EXISTS excess DOUBLE PRECISION;
-CREATE INDEX IF NOT EXISTS audits_ts ON audits(ts);
-"""
 _SCHEMA_LOCK = 0x716C6164  # "qlad": the advisory lock two gateways creating the schema take in turn
 
 
 def _text(text: str | None) -> str | None:
-    stored = _storable(text)
+    stored = storable(text)
     return stored.replace("\x00", "\\x00") if stored is not None else None
 
 
@@ -77,7 +49,7 @@ def _number(x: float | None) -> float | None:
     return x  # PostgreSQL keeps NaN and infinities; `_readable` gives them back as SQLite's text
 
 
-# the columns the SQLite store keeps as text when non-finite (incidents._finite); others as numbers
+# the columns the SQLite store keeps as text when non-finite (incidents.py `_finite`); others as numbers
 _AS_TEXT = frozenset({"value", "threshold", "kl_top5", "fp32_gap"})
 
 
@@ -97,7 +69,7 @@ class PostgresIncidentStore:
         self._db: psycopg.Connection[dict[str, Any]] | None = None
         with self._lock, self._conn().transaction():
             self._conn().execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-            self._conn().execute(SCHEMA)
+            self._conn().execute(ddl("postgresql"))
 
     def _conn(self) -> psycopg.Connection[dict[str, Any]]:
         """The connection, opened again if the server dropped it (the caller holds the lock)."""
@@ -117,7 +89,7 @@ class PostgresIncidentStore:
     def record_many(self, incidents: Sequence[Incident]) -> None:
         """Insert the rows in one transaction (committed together, or not at all)."""
         rows = [incident_row(inc, self.redact, _text, _number) for inc in incidents]
-        self._write(f"INSERT INTO incidents ({INCIDENT_COLUMNS}) VALUES ({', '.join(['%s'] * 15)})", rows)
+        self._write(f"INSERT INTO incidents ({INCIDENT_COLUMNS}) VALUES ({', '.join(['%s'] * INCIDENT_WIDTH)})", rows)
 
     def _write(self, sql: str, rows: Sequence[tuple[Any, ...]]) -> None:
         """One transaction; a connection the server dropped since the last one (a restart) is

@@ -25,7 +25,7 @@ from qladder.incidents import IncidentSink
 from qladder.policy import Handoff as HandoffAction
 from qladder.policy import LadderConfig, Stop
 from qladder.recorder import Recorder
-from qladder.sampling import Sampler, TokenLogprob, token_logprob
+from qladder.sampling import Sampler, token_logprob
 from qladder.stream import TextStream, TokenBytes
 from qladder.types import (
     FALLBACK_TEXT,
@@ -36,6 +36,7 @@ from qladder.types import (
     Hazard,
     HazardEvent,
     TokenEvent,
+    TokenLogprob,
 )
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from qladder.errors import ConfigError
-from qladder.types import DEFAULT_MAX_TOKENS
+from qladder.types import DEFAULT_MAX_TOKENS, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -36,16 +36,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One emitted token's log-probability under the rung that produced it (the raw logits row,
-    before temperature and top-p), and the `k` most likely alternatives as (id, logprob)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def token_logprob(row: torch.Tensor, token: int, k: int) -> TokenLogprob:

@@ -5,16 +5,22 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from qladder.sampling import TokenLogprob
-
+from typing import Any
 
 # The one default answer length: the library's SamplingParams, `qladder generate`, and the server's
 # `default_max_tokens` (a request that names none). A legacy completion without max_tokens keeps
 # OpenAI's own default (server/protocol.py), as OpenAI-compatible clients expect.
 DEFAULT_MAX_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the rung that produced it (the raw logits row,
+    before temperature and top-p), and the `k` most likely alternatives as (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class FinishReason(StrEnum):

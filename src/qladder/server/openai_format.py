@@ -13,9 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from qladder.sampling import TokenLogprob
 from qladder.sanitize import SanitizeResult
-from qladder.types import FinishReason, GenerationResult
+from qladder.types import FinishReason, GenerationResult, TokenLogprob
 
 OPENAI_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.REPETITION: "stop",
                  FinishReason.DEGRADED: "stop", FinishReason.ABORT: "stop", FinishReason.ERROR: "stop"}

@@ -53,12 +53,12 @@ from qladder.errors import (
 )
 from qladder.health.remote import RemoteToken, check_draft
 from qladder.machine import RequestMachine
-from qladder.sampling import SamplingParams, TokenLogprob
+from qladder.sampling import SamplingParams
 from qladder.serving.aborts import AbortRegistry
 from qladder.serving.prefills import PrefillLedger
 from qladder.serving.remote_verified import run_verified
 from qladder.serving.remote_visit import RemoteVisit
-from qladder.types import FinishReason, Hazard
+from qladder.types import FinishReason, Hazard, TokenLogprob
 
 _log = logging.getLogger("qladder.remote")
 
@@ -130,6 +130,10 @@ class RemotePool:
         """Whether verified greedy requests draft here: rung 0 and a rung 1 that scores."""
         above = self.rungs.get(1)
         return 0 in self.rungs and above is not None and above.can_score
+
+    @property
+    def check_timeout_s(self) -> float:
+        return self.config.check_timeout_s
 
     @property
     def client(self) -> httpx.AsyncClient:

@@ -28,28 +28,48 @@ import asyncio
 import contextlib
 import functools
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import httpx
 
 from qladder.actions import Continue, Done, Move, MoveTo
-from qladder.engines.remote import RemoteAt, RemoteEnd, RemoteResumed, next_item
+from qladder.engines.remote import RemoteAt, RemoteEnd, RemoteResumed, RemoteRung, next_item
 from qladder.engines.remote_vllm import VllmRung
 from qladder.engines.replicas import Replicas
 from qladder.errors import RemoteStreamError, StreamSilentError, server_down
 from qladder.health.remote import RemoteToken, check_remote
 from qladder.machine import RequestMachine
 from qladder.sampling import SamplingParams
+from qladder.serving.aborts import AbortRegistry
+from qladder.serving.prefills import PrefillLedger
 from qladder.types import FinishReason, Hazard
-
-if TYPE_CHECKING:
-    from qladder.serving.remote import RemotePool
 
 K_FIRST, K_MIN, K_MAX = 8, 2, 32
 NO_PROGRESS = 3
 
 
-async def run_verified(pool: RemotePool, m: RequestMachine) -> Move | None:
+class VerifyingPool(Protocol):
+    """What verified decoding uses of the remote pool that runs it (serving/remote.py's RemotePool;
+    its loop's thread is the only caller)."""
+
+    aborts: AbortRegistry
+    rungs: dict[int, RemoteRung]
+    health: dict[int, bool]
+    prefills: dict[int, PrefillLedger]
+    verified: dict[str, int]
+    stalls: int
+    clock: Callable[[], float]
+
+    @property
+    def client(self) -> httpx.AsyncClient: ...
+    @property
+    def check_timeout_s(self) -> float: ...
+    def gap_limit(self, j: int, patient: bool, deadline: float, since: float) -> float: ...
+    def unhealthy(self, j: int) -> None: ...
+
+
+async def run_verified(pool: VerifyingPool, m: RequestMachine) -> Move | None:
     """Decide the request window by window; None when it ended, else where it goes (rung 1)."""
     client = pool.client
     verifier = pool.rungs[1]
@@ -73,7 +93,7 @@ async def run_verified(pool: RemotePool, m: RequestMachine) -> Move | None:
         if m.done is not None:  # aborted while drafting
             return None
         try:
-            verdict = await asyncio.wait_for(verifier.verify(client, m.context, drafts), pool.config.check_timeout_s)
+            verdict = await asyncio.wait_for(verifier.verify(client, m.context, drafts), pool.check_timeout_s)
         except (RemoteStreamError, httpx.HTTPError, TimeoutError) as exc:
             if server_down(exc):
                 pool.unhealthy(1)
@@ -108,7 +128,7 @@ async def run_verified(pool: RemotePool, m: RequestMachine) -> Move | None:
         k = min(K_MAX, 2 * k) if drafts and stood == len(drafts) else max(K_MIN, k // 2)
 
 
-async def _draft(pool: RemotePool, m: RequestMachine, n: int, new: int) -> tuple[list[int], Hazard | None]:
+async def _draft(pool: VerifyingPool, m: RequestMachine, n: int, new: int) -> tuple[list[int], Hazard | None]:
     """Rung 0's next `n` greedy tokens, judged; a hazard ends them (before the token it names).
     `new`: the context's tokens the server has not cached (what it prefills: the prefill ledger's)."""
     rung, g = pool.rungs[0], m.config.guard

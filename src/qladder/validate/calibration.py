@@ -29,31 +29,16 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from qladder.validate.outcome import Outcome
+from qladder.validate.judge_calibration import COMMITTED, Calibration, committed
+from qladder.validate.outcome import Outcome, read_jsonl
+
+__all__ = ["COMMITTED", "Calibration", "calibrate", "committed", "for_run", "rejudge"]
 
 QUANTILE = 1.0
 MARGIN = 0.15  # nats per token
 MIN_ANSWERS = 50
-COMMITTED = Path(__file__).with_name("judge_calibration.json")
-
-
-@dataclass(frozen=True)
-class Calibration:
-    threshold: float  # an answer scoring over it is implausible
-    quantile: float
-    margin: float
-    answers: int  # distinct train-half normal answers it was read from
-    quantile_nll: float  # their QUANTILE
-    source: str  # "this run" or where the committed one came from
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -81,11 +66,6 @@ def calibrate(outcomes: Sequence[Outcome], source: str = "this run") -> Calibrat
     return Calibration(q + MARGIN, QUANTILE, MARGIN, len(scores), q, source)
 
 
-@lru_cache(maxsize=1)
-def committed() -> Calibration:
-    return Calibration(**json.loads(COMMITTED.read_text(encoding="utf-8")))
-
-
 def for_run(outcomes: Sequence[Outcome]) -> Calibration:
     return calibrate(outcomes) or committed()
 
@@ -100,8 +80,6 @@ def rejudge(outcomes: Sequence[Outcome]) -> Calibration:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from qladder.validate.outcome import read_jsonl
-
     ap = argparse.ArgumentParser(prog="python -m qladder.validate.calibration", description=__doc__.splitlines()[0])
     ap.add_argument("dir", type=Path, help="a run's folder (outcomes.jsonl)")
     ap.add_argument("--commit", action="store_true", help=f"write it to {COMMITTED.name}")

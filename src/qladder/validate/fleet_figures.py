@@ -28,16 +28,16 @@ from typing import Any
 
 from qladder.percentiles import percentile
 from qladder.validate.calibration import rejudge
+from qladder.validate.figure_parts import overall, throughput_verdict, window_rate
+from qladder.validate.figure_parts import verdict_of as _v
 from qladder.validate.outcome import Outcome
-from qladder.validate.recompute import _verdict as _v
-from qladder.validate.recompute import overall, throughput_verdict, window_rate
 
 TARGETS = {"fleet_over_direct_tok_s": 0.9, "time_to_eject_s": 2.0, "time_to_rejoin_s": 5.0,
            "breaker_seen_by_peer_s": 1.0}
 
 
 def _tok_s(outs: Sequence[Outcome]) -> float | None:
-    """A window's tokens over its span (recompute.window_rate)."""
+    """A window's tokens over its span (figure_parts.window_rate)."""
     rate: float | None = window_rate(outs)["tok_s"]
     return rate
 

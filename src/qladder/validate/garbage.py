@@ -57,6 +57,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from qladder.validate.judge_calibration import committed
+
 _NAN_RUN = re.compile(r"(?i)(?:\bnan\b[\W_]*){3,}")
 _SQUARES = re.compile("[\u25a0\u25a1\u2588\u2b1b]{3,}")
 ZLIB_MIN_BYTES = 200  # below this zlib's fixed overhead dominates the ratio
@@ -178,8 +180,6 @@ def judge(text: str, token_ids: Sequence[int], prompt: str = "", nll: float | No
     if nll is not None and not math.isfinite(nll):  # no score to read: as if scoring had failed
         nll, score_failed = None, True
     if threshold is None:
-        from qladder.validate.calibration import committed
-
         threshold = committed().threshold
     if nll is not None and nll > threshold:
         reasons.append("implausible")

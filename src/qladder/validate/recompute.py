@@ -40,7 +40,7 @@ import argparse
 import json
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,19 @@ from typing import Any
 from qladder.percentiles import percentile, ratio
 from qladder.validate import intervals
 from qladder.validate.calibration import Calibration, rejudge
+from qladder.validate.figure_parts import (
+    effective_latencies,
+    group_by,
+    load_cell,
+    overall,
+    throughput_verdict,
+    verdict_of,
+    window_rate,
+    windows,
+)
+from qladder.validate.fleet_figures import fleet_figures
 from qladder.validate.outcome import Outcome, read_jsonl
+from qladder.validate.verified_figures import verified_figures
 
 EXIT_INCONCLUSIVE = 3
 
@@ -90,13 +102,6 @@ def row(outs: Sequence[Outcome]) -> dict[str, Any]:
     return out
 
 
-def _by(outs: Iterable[Outcome], key: Callable[[Outcome], str]) -> dict[str, list[Outcome]]:
-    groups: dict[str, list[Outcome]] = {}
-    for o in outs:
-        groups.setdefault(key(o), []).append(o)
-    return dict(sorted(groups.items()))
-
-
 RUNG0 = frozenset({"int4", "llama-server"})  # the rungs an answer starts on when nothing moved it
 
 
@@ -120,26 +125,23 @@ def quality(outs: Sequence[Outcome]) -> dict[str, Any]:
             "faulted_never_moved": len(faulted) - len(pop)}
 
 
-def _effective(outs: Sequence[Outcome], slowest: float) -> list[float]:
-    return [o.latency_ms if o.ok else slowest for o in outs]
-
 
 def _medians(outs: Sequence[Outcome], slowest: float) -> dict[str, float]:
-    by = _by(outs, lambda o: o.prompt_id)
-    meds = {k: percentile(_effective(v, slowest), 50) for k, v in by.items()}
+    by = group_by(outs, lambda o: o.prompt_id)
+    meds = {k: percentile(effective_latencies(v, slowest), 50) for k, v in by.items()}
     return {k: v for k, v in meds.items() if v is not None}
 
 
 def latency_side(outs: Sequence[Outcome], slowest: float) -> dict[str, Any]:
-    eff = _effective(outs, slowest)
+    eff = effective_latencies(outs, slowest)
     ttft = [o.ttft_ms for o in outs if o.ok and o.ttft_ms is not None]
     return {"requests": len(outs), "failed": sum(not o.ok for o in outs), "p50_ms": percentile(eff, 50),
             "p90_ms": percentile(eff, 90), "p99_ms": percentile(eff, 99),
             "mean_ms": sum(eff) / len(eff) if eff else None,
             "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
-            "rounds": {str(r): {"requests": len(v), "p50_ms": percentile(_effective(v, slowest), 50),
-                                "p99_ms": percentile(_effective(v, slowest), 99)}
-                       for r, v in _by(outs, lambda o: str(o.round)).items()}}
+            "rounds": {str(r): {"requests": len(v), "p50_ms": percentile(effective_latencies(v, slowest), 50),
+                                "p99_ms": percentile(effective_latencies(v, slowest), 99)}
+                       for r, v in group_by(outs, lambda o: str(o.round)).items()}}
 
 
 def latency_ratio(cand: Sequence[Outcome], base: Sequence[Outcome], slowest: float) -> dict[str, Any]:
@@ -148,15 +150,16 @@ def latency_ratio(cand: Sequence[Outcome], base: Sequence[Outcome], slowest: flo
     mc, mb = _medians(cand, slowest), _medians(base, slowest)
     common = sorted(set(mc) & set(mb))
     per_prompt = [mc[k] / mb[k] for k in common if mb[k]]
-    ec, eb = _effective(cand, slowest), _effective(base, slowest)
+    ec, eb = effective_latencies(cand, slowest), effective_latencies(base, slowest)
     key = {(o.prompt_id, o.round): (o.latency_ms if o.ok else slowest) for o in base}
     pairs = [(o.latency_ms if o.ok else slowest) / key[(o.prompt_id, o.round)] for o in cand
              if key.get((o.prompt_id, o.round))]
     rounds = {}
-    for r, outs in _by(cand, lambda o: str(o.round)).items():
+    for r, outs in group_by(cand, lambda o: str(o.round)).items():
         b = [o for o in base if str(o.round) == r]
-        rounds[r] = {"p50": ratio(percentile(_effective(outs, slowest), 50), percentile(_effective(b, slowest), 50)),
-                     "p99": ratio(percentile(_effective(outs, slowest), 99), percentile(_effective(b, slowest), 99))}
+        ea, eb2 = effective_latencies(outs, slowest), effective_latencies(b, slowest)
+        rounds[r] = {"p50": ratio(percentile(ea, 50), percentile(eb2, 50)),
+                     "p99": ratio(percentile(ea, 99), percentile(eb2, 99))}
     mean_ratio = intervals.paired_mean_ratio([(mc[k], mb[k]) for k in common])
     return {"prompts": len(per_prompt), "mean_ratio": mean_ratio.to_dict(),
             "per_prompt_p50": percentile(per_prompt, 50),
@@ -220,42 +223,36 @@ def _at_least(limit: float) -> Callable[[float], bool]:
     return lambda v: v >= limit
 
 
-def _verdict(name: str, value: float | None, limit: float, ok: Callable[[float], bool], note: str = "",
-             status: str | None = None) -> dict[str, Any]:
-    if status is None:
-        status = "no data" if value is None else ("pass" if ok(value) else "fail")
-    return {"name": name, "value": value, "limit": limit, "status": status, "note": note}
-
 
 def verdicts(f: dict[str, Any], t: Targets) -> list[dict[str, Any]]:
     out = []
     for split in SPLITS:
         g, b = f["crafted"][split].get(CANDIDATE, {}), f["crafted"][split].get(BASE, {})
         n = g.get("requests", 0)
-        out.append(_verdict(f"{split}: guarded garbage or stopped answers beyond fp32-identical ones",
+        out.append(verdict_of(f"{split}: guarded garbage or stopped answers beyond fp32-identical ones",
                             g.get("garbage_net") if n else None, 0, lambda v: v == 0,
                             f"crafted prompts (abnormal, faulted or not); {g.get('stopped')} stopped"))
-        out.append(_verdict(f"{split}: guarded fallback answers", g.get("fallback") if n else None, 0,
+        out.append(verdict_of(f"{split}: guarded fallback answers", g.get("fallback") if n else None, 0,
                             lambda v: v == 0, "a standby was up"))
-        out.append(_verdict(f"{split}: guarded 5xx", g.get("five_xx") if n else None, 0, lambda v: v == 0))
+        out.append(verdict_of(f"{split}: guarded 5xx", g.get("five_xx") if n else None, 0, lambda v: v == 0))
         gc, bc = g.get("answered_clean_rate"), b.get("answered_clean_rate")
-        out.append(_verdict(f"{split}: answered clean, guarded minus bare", None if gc is None or bc is None
+        out.append(verdict_of(f"{split}: answered clean, guarded minus bare", None if gc is None or bc is None
                             else gc - bc, 0.0, lambda v: v >= 0, "guarded must answer clean at least as often"))
         q = f["quality"][split]
-        out.append(_verdict(f"{split}: greedy faulted answers token-identical to fp32's continuation",
+        out.append(verdict_of(f"{split}: greedy faulted answers token-identical to fp32's continuation",
                             q["share"], t.quality_share, lambda v: v >= t.quality_share))
     g, b = f["normal"].get(CANDIDATE, {}), f["normal"].get(BASE, {})
     n = g.get("requests", 0)
-    out.append(_verdict("normal: guarded 5xx", g.get("five_xx") if n else None, 0, lambda v: v == 0))
-    out.append(_verdict("normal: guarded fallback answers", g.get("fallback") if n else None, 0, lambda v: v == 0))
+    out.append(verdict_of("normal: guarded 5xx", g.get("five_xx") if n else None, 0, lambda v: v == 0))
+    out.append(verdict_of("normal: guarded fallback answers", g.get("fallback") if n else None, 0, lambda v: v == 0))
     gc, bc = g.get("answered_clean_rate"), b.get("answered_clean_rate")
-    out.append(_verdict("normal: answered clean, guarded minus bare", None if gc is None or bc is None else gc - bc,
+    out.append(verdict_of("normal: answered clean, guarded minus bare", None if gc is None or bc is None else gc - bc,
                         0.0, lambda v: v >= 0))
     j = f["judge"]
-    out.append(_verdict("unjudged answers (likelihood asked for, not computed)", j["unjudged_share"],
+    out.append(verdict_of("unjudged answers (likelihood asked for, not computed)", j["unjudged_share"],
                         t.max_unjudged_share, lambda v: v <= t.max_unjudged_share))
     fh = f["false_handoffs"].get(CANDIDATE, {})
-    out.append(_verdict("false handoffs, normal test-half prompts", fh.get("rate"), t.max_false_handoff_rate,
+    out.append(verdict_of("false handoffs, normal test-half prompts", fh.get("rate"), t.max_false_handoff_rate,
                         lambda v: v <= t.max_false_handoff_rate))
     lr = f["latency"]["ratios"]
     out.append(latency_verdict("latency: mean over normal prompts of each one's median, guarded / bare",
@@ -276,11 +273,6 @@ def latency_verdict(name: str, cand: dict[str, Any] | None, aa: dict[str, Any] |
     return v
 
 
-def overall(vs: Sequence[dict[str, Any]]) -> str:
-    """fail if any verdict fails; pass only if every one passes; inconclusive otherwise."""
-    statuses = {v["status"] for v in vs}
-    return "fail" if "fail" in statuses else "pass" if statuses <= {"pass"} else "inconclusive"
-
 
 def figures(outcomes: Sequence[Outcome], mode: str, observations: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every figure of a run's report (`mode`: in-process | remote | bench-serving | bench-serve | bench-fleet;
@@ -290,12 +282,8 @@ def figures(outcomes: Sequence[Outcome], mode: str, observations: dict[str, Any]
     if mode == "bench-serve":
         return serve_figures(outcomes, observations or {})
     if mode == "bench-fleet":
-        from qladder.validate.fleet_figures import fleet_figures
-
         return fleet_figures(outcomes, observations or {})
     if mode == "bench-verified":
-        from qladder.validate.verified_figures import verified_figures
-
         return verified_figures(outcomes)
     t = TARGETS[mode]
     cal = rejudge(outcomes)
@@ -311,9 +299,10 @@ def figures(outcomes: Sequence[Outcome], mode: str, observations: dict[str, Any]
                             for c in configs} for split in (*SPLITS, "all")}
     f["normal"] = {c: row([o for o in normal if o.config == c]) for c in configs}
     f["by_fault"] = {c: {k: {"fault_set": v[0].fault_set, **row(v)}
-                         for k, v in _by([o for o in crafted if o.config == c], lambda o: o.fault or "none").items()}
+                         for k, v in group_by([o for o in crafted if o.config == c],
+                                              lambda o: o.fault or "none").items()}
                      for c in configs}
-    f["by_class"] = {c: {k: row(v) for k, v in _by([o for o in crafted if o.config == c],
+    f["by_class"] = {c: {k: row(v) for k, v in group_by([o for o in crafted if o.config == c],
                                                    lambda o: o.prompt_class).items()} for c in configs}
     f["quality"] = {split: quality([o for o in crafted if split == "all" or o.split == split])
                     for split in (*SPLITS, "all")}
@@ -353,56 +342,10 @@ def figures(outcomes: Sequence[Outcome], mode: str, observations: dict[str, Any]
 
 # -- load benchmarks -----------------------------------------------------------------------------------
 
-def window_rate(outs: Sequence[Outcome]) -> dict[str, Any]:
-    """One closed-loop window: its tokens over its span (first request sent -> last answer done)."""
-    spans = [(o.start_s, o.end_s) for o in outs if o.start_s is not None and o.end_s is not None]
-    span = max(e for _, e in spans) - min(s for s, _ in spans) if spans else 0.0
-    tokens = sum(o.tokens for o in outs if o.ok)
-    unfaulted = sum(o.tokens for o in outs if o.ok and o.fault is None)
-    return {"requests": len(outs), "tokens": tokens, "span_s": span, "tok_s": tokens / span if span > 0 else None,
-            "unfaulted_tok_s": unfaulted / span if span > 0 else None}
 
 
-def windows(outs: Sequence[Outcome]) -> list[intervals.Window]:
-    """Each closed-loop window of these requests as (round, tokens, span s): what the interval of a
-    throughput ratio resamples."""
-    out = []
-    for _, v in _by(outs, lambda o: str(o.window)).items():
-        w = window_rate(v)
-        out.append((str(v[0].round), float(w["tokens"]), float(w["span_s"])))
-    return out
 
 
-def load_cell(outs: Sequence[Outcome], slowest: float) -> dict[str, Any]:
-    """One configuration at one level over its rounds: tok/s pooled over its windows (their tokens
-    over their spans), each window's beside."""
-    wins = [window_rate(v) for v in _by(outs, lambda o: str(o.window)).values()]
-    steps = [x for o in outs if o.ok for x in o.step_ms]
-    ttft = [o.ttft_ms for o in outs if o.ok and o.ttft_ms is not None]
-    faulted = [o for o in outs if o.fault is not None]
-    via = [o for o in faulted if o.ok and not o.fallback and o.handed_off and o.rungs and o.rungs[-1] != "int4"
-           and o.finish_reason in ("stop", "length", "repetition")]
-    span = sum(w["span_s"] for w in wins)
-    return {"requests": len(outs), "tokens": sum(w["tokens"] for w in wins), "rounds": len(wins),
-            "tok_s_rounds": [w["tok_s"] for w in wins],
-            "tok_s": sum(w["tokens"] for w in wins) / span if span > 0 else None,
-            "unfaulted_tok_s": sum(sum(o.tokens for o in v if o.ok and o.fault is None)
-                                   for v in _by(outs, lambda o: str(o.window)).values()) / span if span > 0 else None,
-            "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
-            "token_p50_ms": percentile(steps, 50), "token_p99_ms": percentile(steps, 99),
-            "latency_p50_ms": percentile(_effective(outs, slowest), 50),
-            "latency_p99_ms": percentile(_effective(outs, slowest), 99),
-            "five_xx": sum(o.five_xx for o in outs), "fallback": sum(o.ok and o.fallback for o in outs),
-            "judged_garbage": sum(o.garbage for o in outs), "stopped": sum(o.stopped for o in outs),
-            "faulted": len(faulted), "faulted_answered_via_standby": len(via)}
-
-
-def throughput_verdict(name: str, a: Sequence[Outcome], b: Sequence[Outcome], limit: float,
-                       note: str = "") -> tuple[dict[str, Any], intervals.Interval]:
-    """a's pooled tok/s over b's, with its interval (>= MIN_WINDOWS windows a side to decide)."""
-    iv = intervals.window_rate_ratio(windows(a), windows(b))
-    return intervals.verdict(name, iv, limit, higher_is_better=True, note=note,
-                             min_units=intervals.MIN_WINDOWS), iv
 
 
 SERVING_TARGETS = {"guarded_c8_over_c1": 1.3, "guarded_over_raw_c8": 0.95}
@@ -415,8 +358,8 @@ def serving_figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     outs = [o for o in outcomes if o.phase != "warmup"]
     slowest = max((o.latency_ms for o in outs), default=0.0)
     results: dict[str, Any] = {}
-    for name, group in _by(outs, lambda o: o.phase).items():
-        results[name] = {c: {str(k): load_cell(v, slowest) for k, v in _by([o for o in group if o.config == c],
+    for name, group in group_by(outs, lambda o: o.phase).items():
+        results[name] = {c: {str(k): load_cell(v, slowest) for k, v in group_by([o for o in group if o.config == c],
                                                                            lambda o: f"{o.concurrency:04d}").items()}
                          for c in sorted({o.config for o in group})}
         for cells in results[name].values():  # keys as the concurrency, not its padding
@@ -448,9 +391,9 @@ def serving_figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
                                            if screened else "")[0])
     faulted = [o for o in outs if o.fault is not None]
     via = sum(load_cell([o], slowest)["faulted_answered_via_standby"] for o in faulted)
-    verdicts.append(_verdict("faulted requests answered through the standby (share)", _rate(via, len(faulted)),
+    verdicts.append(verdict_of("faulted requests answered through the standby (share)", _rate(via, len(faulted)),
                              1.0, lambda v: v == 1.0, f"{via} of {len(faulted)}"))
-    verdicts.append(_verdict("requests without an answer (5xx)", sum(o.five_xx for o in outs), 0, lambda v: v == 0))
+    verdicts.append(verdict_of("requests without an answer (5xx)", sum(o.five_xx for o in outs), 0, lambda v: v == 0))
     return {"mode": "bench-serving", "calibration": cal.to_dict(), "results": results, "ratios": ratios,
             "verdicts": verdicts, "verdict": overall(verdicts)}
 
@@ -478,8 +421,8 @@ def serve_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> 
     f["burst"] = {"requests": len(burst), "five_xx": sum(o.five_xx for o in burst), "opened": "open" in modes,
                   "closed_after": bool(modes) and modes[-1] == "closed", **obs_b}
     cmp_ = [o for o in outs if o.phase == "compare"]
-    sides = _by(cmp_, lambda o: o.config)
-    f["compare"] = {c: {"windows": {str(r): window_rate(w) for r, w in _by(v, lambda o: f"{o.round:04d}").items()},
+    sides = group_by(cmp_, lambda o: o.config)
+    f["compare"] = {c: {"windows": {str(r): window_rate(w) for r, w in group_by(v, lambda o: f"{o.round:04d}").items()},
                         "latency": latency_side(v, slowest)} for c, v in sides.items()}
 
     def pooled(a: str, b: str) -> dict[str, Any] | None:
@@ -499,18 +442,18 @@ def serve_figures(outcomes: Sequence[Outcome], observations: dict[str, Any]) -> 
     t, v = SERVE_TARGETS, []
     fr = f["faulted"]
     some = bool(faulted)
-    v.append(_verdict("faulted phase: 5xx", fr["five_xx"] if some else None, 0, lambda x: x == 0))
-    v.append(_verdict("faulted phase: every request answered or told 429", float(fr["answered_or_429"]) if some
+    v.append(verdict_of("faulted phase: 5xx", fr["five_xx"] if some else None, 0, lambda x: x == 0))
+    v.append(verdict_of("faulted phase: every request answered or told 429", float(fr["answered_or_429"]) if some
                       else None, 1.0, lambda x: x == 1.0))
-    v.append(_verdict("faulted phase: faulted requests answered clean (share)", fr["faulted_requests"][
+    v.append(verdict_of("faulted phase: faulted requests answered clean (share)", fr["faulted_requests"][
         "answered_clean_rate"], 1.0, lambda x: x == 1.0, f"{fr['faulted_requests']['answered_clean']} of "
         f"{fr['faulted_requests']['requests']}"))
-    v.append(_verdict("faulted phase: incident rows minus the hazards the answers report",
+    v.append(verdict_of("faulted phase: incident rows minus the hazards the answers report",
                       None if "incident_rows" not in fr else fr["incident_rows"] - fr["hazards_reported"], 0,
                       lambda x: x == 0))
-    v.append(_verdict("burst: the INT4 breaker opened, then closed", None if not modes else
+    v.append(verdict_of("burst: the INT4 breaker opened, then closed", None if not modes else
                       float(f["burst"]["opened"] and f["burst"]["closed_after"]), 1.0, lambda x: x == 1.0, str(modes)))
-    v.append(_verdict("burst: 5xx", f["burst"]["five_xx"] if burst else None, 0, lambda x: x == 0))
+    v.append(verdict_of("burst: 5xx", f["burst"]["five_xx"] if burst else None, 0, lambda x: x == 0))
     aa_tok = f["ratios"]["aa_tok_s"]
     tv, _ = throughput_verdict("compare: guarded tok/s over llama-server (pooled over interleaved windows)",
                                sides.get("guarded", []), sides.get("llama_server", []), t["tok_s_ratio"],

@@ -1,6 +1,6 @@
 """The figures of `qladder bench verified`, from its outcomes (called by `recompute.figures`).
 
-    results[config][concurrency]   recompute.load_cell: tok/s (pooled over the rounds' windows:
+    results[config][concurrency]   figure_parts.load_cell: tok/s (pooled over the rounds' windows:
                                    their tokens over their spans), latency P50/P99 (a failed
                                    request counts as the slowest), TTFT, per-token gaps
     ratios                         each with its bootstrap interval over the interleaved rounds
@@ -33,6 +33,7 @@ from scipy.stats import chi2
 
 from qladder.validate import intervals
 from qladder.validate.calibration import rejudge
+from qladder.validate.figure_parts import group_by, load_cell, overall, throughput_verdict, verdict_of, windows
 from qladder.validate.outcome import Outcome
 
 # verified_over_fp32_c1_of_bound: the measured c1 speedup over fp32 alone, as a share of the speculative
@@ -99,13 +100,11 @@ def chi_square_two_sample(a: Sequence[int], b: Sequence[int], min_count: int = 5
 
 
 def verified_figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
-    from qladder.validate.recompute import _by, _verdict, load_cell, overall, throughput_verdict, windows
-
     cal = rejudge(outcomes)
     greedy = [o for o in outcomes if o.phase == "greedy"]
     slowest = max((o.latency_ms for o in greedy), default=0.0)
     results = {c: {str(int(k)): load_cell(v, slowest) for k, v in
-                   sorted(_by([x for x in greedy if x.config == c], lambda x: f"{x.concurrency:04d}").items())}
+                   sorted(group_by([x for x in greedy if x.config == c], lambda x: f"{x.concurrency:04d}").items())}
                for c in sorted({o.config for o in greedy})}
 
     def cell(config: str, c: int) -> list[Outcome]:
@@ -159,7 +158,7 @@ def verified_figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
                  "fp32_alone_identical": [len(fp32_same), sum(o.config == "fp32" for o in greedy)],
                  "vllm_identical": [sum(o.ok and o.token_ids == ref.get(o.prompt_id) for o in vllm), len(vllm)]}
     acceptance: dict[str, Any] = {}
-    for cls, group in sorted(_by([o for o in verified if o.verify_windows], lambda o: o.prompt_class).items()):
+    for cls, group in sorted(group_by([o for o in verified if o.verify_windows], lambda o: o.prompt_class).items()):
         # every drafted answer, of either verified configuration
         w = sum(o.verify_windows or 0 for o in group)
         d = sum(o.verify_drafts or 0 for o in group)
@@ -178,14 +177,14 @@ def verified_figures(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     s_prompts = len({o.prompt_id for o in sv + sf})
     verdicts = [
         c1, checks["verified_over_vllm_fp32_c8"][0], checks["fp32_c8_over_c1"][0],
-        _verdict("greedy verified answers identical to fp32's greedy answers", share, t["exactness"],
+        verdict_of("greedy verified answers identical to fp32's greedy answers", share, t["exactness"],
                  lambda v: v >= t["exactness"], f"{len(same)} of {len(verified)} answers: {n_prompts} prompts, "
                  f"each answered {len(verified) // max(n_prompts, 1)} times, up to {longest} tokens"),
-        _verdict("sampled: smallest p of the per-position chi-square tests, verified vs fp32", min_p,
+        verdict_of("sampled: smallest p of the per-position chi-square tests, verified vs fp32", min_p,
                  t["sampled_min_p"], lambda v: v >= t["sampled_min_p"],
                  f"{s_prompts} prompt x {width} positions; {len(sv)} and {len(sf)} answers"),
         checks["int4_audit_over_int4_c8"][0],
-        _verdict("requests without an answer (5xx)", five_xx, 0, lambda v: v == 0),
+        verdict_of("requests without an answer (5xx)", five_xx, 0, lambda v: v == 0),
     ]
     return {"mode": "bench-verified", "targets": dict(TARGETS), "calibration": cal.to_dict(), "results": results,
             "ratios": ratios, "bound": spec, "exactness": exactness, "acceptance": acceptance, "sampled": sampled,

@@ -3,8 +3,10 @@ the audit run by the standby on the real engines."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +27,7 @@ from qladder.audit import (
     selected,
 )
 from qladder.classify import classify
+from qladder.errors import RemoteStreamError
 from qladder.validate.corpora import split_of
 
 
@@ -91,8 +94,8 @@ def test_scoring_from_the_top_k_is_exact_where_it_can_be_and_never_overstates_th
     job = AuditJob("r", "qa", "int4", (1, 2), tuple(answer), tuple(top), greedy=greedy)
     exact = score(job, rows)
     bounded = score_top(job, _top_rows(rows, answer, k), v)
-    assert (bounded.agreement, bounded.first_divergence, bounded.tokens) == \
-        (exact.agreement, exact.first_divergence, exact.tokens)
+    assert (bounded.first_divergence, bounded.tokens) == (exact.first_divergence, exact.tokens)
+    assert bounded.agreement == pytest.approx(exact.agreement, abs=1e-6)  # (score's mean is float32's)
     assert bounded.fp32_gap == pytest.approx(exact.fp32_gap, abs=1e-6)
     assert exact.excess is not None and bounded.excess is not None and bounded.excess <= exact.excess + 1e-5
     whole = score_top(job, _top_rows(rows, answer, v), v)
@@ -480,3 +483,75 @@ def test_the_standby_audits_in_a_share_of_its_turns_while_a_handoff_keeps_it_bus
         assert ended == [True]
     finally:
         se.close()
+
+
+class _FakeTopScorer:
+    """A remote standby's audit call as RemoteAuditor uses it (score_top), recording each prompt;
+    a prompt in `fail` answers as a server error would; `gate` holds every call until set."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.entered: list[tuple[int, ...]] = []
+        self.calls: list[tuple[int, ...]] = []
+        self.fail: set[tuple[int, ...]] = set()
+        self.gate = gate
+
+    async def score_top(self, client, prompt, answer, k):
+        self.entered.append(tuple(prompt))
+        while not self.gate.is_set():
+            await asyncio.sleep(0.005)
+        self.calls.append(tuple(prompt))
+        if tuple(prompt) in self.fail:
+            raise RemoteStreamError("vLLM answered HTTP 400")
+        return [TopRow(-0.25, 1, ((t, -0.25), (t + 1, -2.0))) for t in answer]
+
+
+def test_a_remote_auditor_scores_urgent_jobs_first_in_the_standbys_spare_turns_and_counts_failures():
+    """RemoteAuditor on a real event loop (a thread of its own, as the remote pool's): jobs queued
+    while a call is under way are scored urgent first, then the newest; an ordinary job waits while
+    the standby continues handoffs (`busy`), an urgent one does not; a failed call is counted and
+    the next job goes on; each call's time in flight is charged to the budget."""
+    from qladder.serving.remote_auditor import RemoteAuditor
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    records: list[AuditRecord] = []
+    gate, busy = threading.Event(), threading.Event()
+    scorer = _FakeTopScorer(gate)
+    now = [0.0]
+
+    def spawn(work) -> None:
+        asyncio.run_coroutine_threadsafe(work(None), loop)
+
+    def job(rid: str, prompt: tuple[int, ...], urgent: bool = False) -> AuditJob:
+        return AuditJob(rid, "chat", "http://a:1", prompt, (5, 6, 7), (), urgent=urgent)
+
+    a = RemoteAuditor(scorer, 64, records.append, spawn, loop.call_soon_threadsafe, busy.is_set,
+                      clock=lambda: now[0])
+    try:
+        a.offer(job("first", (1,)))  # taken at once, held at the gate
+        _until(lambda: scorer.entered == [(1,)], "the first call")
+        for rid, p, u in (("old", (2,), False), ("new", (3,), False), ("urgent", (4,), True)):
+            a.offer(job(rid, p, u))
+        assert a.pending == 4
+        scorer.fail.add((3,))
+        gate.set()
+        _until(lambda: a.pending == 0, "the queue to drain")
+        assert scorer.calls == [(1,), (4,), (3,), (2,)]  # urgent first, then the newest
+        assert [r.request_id for r in records] == ["first", "urgent", "old"] and a.failed == 1 and a.done == 3
+        assert all(r.agreement == 1.0 and r.fp32_gap == 0.0 and r.pool == "http://a:1" for r in records)
+        busy.set()  # the standby is continuing handoffs: an ordinary job waits, an urgent one does not
+        a.offer(job("waits", (8,)))
+        a.offer(job("goes", (9,), urgent=True))
+        _until(lambda: len(records) == 4, "the urgent job")
+        assert records[-1].request_id == "goes" and a.pending == 1
+        busy.clear()
+        _until(lambda: a.pending == 0, "the waiting job")
+        assert records[-1].request_id == "waits"
+        now[0] = 1.0
+        assert a.spent(1.0) == 0.0  # (the fake clock stood still: no time in flight was charged)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+

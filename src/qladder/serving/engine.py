@@ -230,7 +230,7 @@ class ServingEngine:
             rp = self.remote
             self.remote_auditor = RemoteAuditor(scorer, self.info.n_vocab, self._audited, rp.spawn,
                                                 rp.call_soon, lambda: rp.standby_active > 0,
-                                                max_jobs=c.audit_queue)
+                                                max_jobs=c.audit_queue, clock=clock)
         # the endpoint detector: INT4's endpoints (the in-process pool, or each llama-server replica)
         # audited by the standby's first rung (in-process, or vLLM)
         self.watch: EndpointWatch | None = None

@@ -85,8 +85,12 @@ class RemoteAuditor:
 
     async def _drain(self, client: httpx.AsyncClient) -> None:
         try:
-            while (job := self.queue.take()) is not None:
-                self._current = 1
+            while True:
+                self._current = 1  # (before the take: `pending` may count one too many, never one too few)
+                job = self.queue.take()
+                if job is None:
+                    self._current = 0
+                    break
                 try:
                     while not job.urgent and self._busy() and not self.queue.urgent_waiting:
                         await asyncio.sleep(IDLE_POLL_S)  # the standby's spare capacity only

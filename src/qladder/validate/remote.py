@@ -2,9 +2,12 @@
 
     bare     clients -> llama-server                                   (a user without qladder)
     bare_aa  clients -> a second llama-server on the same GGUF         (the A/A pair: the noise floor)
-    guarded  clients -> qladder serve -> llama-server (INT4 pool) -> vLLM (the fp32 standby)
+    guarded  clients -> qladder serve -> a third llama-server (INT4 pool) -> vLLM (the fp32 standby)
 
-One llama-server on the embedded GGUF serves the clean traffic (a second one is bare_aa), one per
+Each configuration of the clean traffic has a llama-server of its own on the embedded GGUF, so no
+configuration's prompts warm another's slots (llama-server reuses a slot's KV for a prompt it saw:
+when guarded's gateway fronted bare's server, bare's time to first token drew on guarded's
+requests, 329 ms against bare_aa's 362 on 2026-12-07, and the A/A pair could not contain 1). One per
 GGUF fault model (corrupted scales, inf scales, glitch-token embeddings: the train set, and the
 held-out test set on the other half of the prompts) serves that model's prompts, each fronted by
 a `qladder serve` process of its own, all sharing one vLLM standby. Per-request faults (nan@step
@@ -165,8 +168,9 @@ class Served:
     """One served model: its llama-server and the qladder serve process in front of it."""
 
     name: str  # "clean", "clean_aa" (no gateway) or the fault model's name
-    llama: Any  # LlamaServer
+    llama: Any  # LlamaServer: what bare (or bare_aa) asks
     gateway: Any = None  # subprocess.Popen of `qladder serve`
+    upstream: Any = None  # the LlamaServer the gateway fronts, where it is not `llama` (clean: a server of its own)
     gateway_url: str = ""
     incidents: Path | None = None
     patch: dict[str, object] | None = None
@@ -186,7 +190,7 @@ def start_gateway(s: Served, vllm_url: str, c: RemoteValidateConfig, work: Path)
 
     cfg = work / f"serve-{s.name}.toml"
     s.incidents = work / f"incidents-{s.name}.sqlite3"
-    cfg.write_text(gateway_toml(s.llama.base_url, vllm_url, c, s.incidents), encoding="utf-8")
+    cfg.write_text(gateway_toml((s.upstream or s.llama).base_url, vllm_url, c, s.incidents), encoding="utf-8")
     s.gateway, s.gateway_url = start_qladder_serve(cfg, work / f"serve-{s.name}.log")
 
 
@@ -513,6 +517,8 @@ def validate_remote(cfg: RemoteValidateConfig, out_dir: Path, show_progress: boo
             ls = LlamaServer(path, n_parallel=cfg.llama_slots, threads=cfg.llama_threads,
                              n_ctx_per_slot=cfg.n_ctx_per_slot).start()
             run.served[name] = Served(name, ls, patch=applied)
+        run.served["clean"].upstream = LlamaServer(info.path, n_parallel=cfg.llama_slots, threads=cfg.llama_threads,
+                                                   n_ctx_per_slot=cfg.n_ctx_per_slot).start()
         run.times["llama_server_start_s"] = time.perf_counter() - t
         t = time.perf_counter()
         for s in run.served.values():
@@ -525,6 +531,8 @@ def validate_remote(cfg: RemoteValidateConfig, out_dir: Path, show_progress: boo
         judge_all(run, Fp32Judge(vllm_url, model_id), vocab)
         run.times["judge_s"] = time.perf_counter() - t
         memory = {f"llama-server:{n}": tree_rss_mb(s.llama.proc.pid) for n, s in run.served.items()}
+        memory |= {f"llama-server:{n}-guarded": tree_rss_mb(s.upstream.proc.pid) for n, s in run.served.items()
+                   if s.upstream is not None}
         memory |= {f"qladder-serve:{n}": tree_rss_mb(s.gateway.pid) for n, s in run.served.items() if s.gateway}
         if vllm is not None and vllm.proc is not None:
             memory["vllm"] = tree_rss_mb(vllm.proc.pid)
@@ -537,6 +545,8 @@ def validate_remote(cfg: RemoteValidateConfig, out_dir: Path, show_progress: boo
         for s in run.served.values():
             process.stop(s.gateway)
             s.llama.stop()
+            if s.upstream is not None:
+                s.upstream.stop()
         if vllm is not None:
             vllm.stop()
         vocab.close()

@@ -109,7 +109,12 @@ def test_a_clean_pool_audited_at_the_same_rate_raises_no_alarm(model_info, tmp_p
         st = se.stats()
         assert st["audits_done"] >= 3, st  # some answers were audited
         assert not alarms and st["detector_int4_alarms"] == 0.0 and st["detector_int4_state"] in (0.0, 1.0)
-        assert all(set(r.token_rungs) == {"int4"} or r.hazards for r in answers), [r.hazards for r in answers]
+        # INT4's answers, or a hazard's handoff; after a step past its deadline under the box's load
+        # (the watchdog marks the pool unhealthy until a probe passes) an answer may start on fp32
+        stalled = [i for i, r in enumerate(answers) if any(h.check == "deadline" for h in r.hazards)]
+        assert all(set(r.token_rungs) == {"int4"} or r.hazards
+                   or (stalled and i > stalled[0] and set(r.token_rungs) == {"fp32"})
+                   for i, r in enumerate(answers)), [(r.token_rungs[:1], r.hazards) for r in answers]
     finally:
         se.close()
 

@@ -80,3 +80,29 @@ class AuditQueue:
         """Core-seconds the audit ran in the last SPENT_WINDOW_S."""
         with self._lock:
             return sum(c for t, c in self._spent if t >= now - SPENT_WINDOW_S)
+
+
+class QueuedAuditor:
+    """What both auditors show other threads of their queue: `prefer` (set by the serving engine),
+    `dropped`, `offer` and `spent` (the queue's lock)."""
+
+    queue: AuditQueue
+
+    @property
+    def prefer(self) -> Callable[[str], bool] | None:
+        return self.queue.prefer
+
+    @prefer.setter
+    def prefer(self, fn: Callable[[str], bool] | None) -> None:
+        self.queue.prefer = fn
+
+    @property
+    def dropped(self) -> int:
+        return self.queue.dropped
+
+    def offer(self, job: AuditJob) -> None:
+        self.queue.offer(job)
+
+    def spent(self, now: float) -> float:
+        """Core-seconds the audit ran in the last SPENT_WINDOW_S (any thread)."""
+        return self.queue.spent(now)

@@ -17,13 +17,13 @@ import torch
 from qladder.audit import AuditJob, AuditRecord, score
 from qladder.engines.torch_batch import BatchedTorch, BatchedTorchSession
 from qladder.errors import EngineError
-from qladder.serving.audit_queue import SPENT_WINDOW_S, AuditQueue
+from qladder.serving.audit_queue import SPENT_WINDOW_S, AuditQueue, QueuedAuditor
 
 __all__ = ["SPENT_WINDOW_S", "Auditor"]
 _log = logging.getLogger("qladder.audit")
 
 
-class Auditor:
+class Auditor(QueuedAuditor):
     def __init__(self, engine: BatchedTorch, on_record: Callable[[AuditRecord], None], max_jobs: int = 64,
                  chunk: int = 64):
         self.engine, self.on_record, self.chunk = engine, on_record, chunk
@@ -40,21 +40,6 @@ class Auditor:
 
     # -- any thread ------------------------------------------------------------------------------
     @property
-    def prefer(self) -> Callable[[str], bool] | None:
-        return self.queue.prefer
-
-    @prefer.setter
-    def prefer(self, fn: Callable[[str], bool] | None) -> None:
-        self.queue.prefer = fn
-
-    @property
-    def dropped(self) -> int:
-        return self.queue.dropped
-
-    def offer(self, job: AuditJob) -> None:
-        self.queue.offer(job)
-
-    @property
     def runnable(self) -> bool:
         """A chunk can run now: a job under way, or one waiting and a free session slot for it."""
         return self._job is not None or (self.queue.waiting > 0 and self.engine.free_slots > 0)
@@ -67,10 +52,6 @@ class Auditor:
     def charge(self, now: float, core_s: float) -> None:
         """A chunk ran until `now` (the standby's clock) on `core_s` core-seconds (its thread)."""
         self.queue.charge(now, core_s)
-
-    def spent(self, now: float) -> float:
-        """Core-seconds the audit ran in the last SPENT_WINDOW_S (any thread)."""
-        return self.queue.spent(now)
 
     @property
     def pending(self) -> int:

@@ -24,7 +24,7 @@ from qladder.audit import AuditJob, AuditRecord, score_top
 from qladder.engines.remote_vllm import VllmRung
 from qladder.engines.replicas import Replicas
 from qladder.errors import RemoteStreamError, RemoteTransportError
-from qladder.serving.audit_queue import AuditQueue
+from qladder.serving.audit_queue import AuditQueue, QueuedAuditor
 
 _log = logging.getLogger("qladder.audit")
 TOP_K = 20  # fp32's top entries a position asks for (vLLM's --max-logprobs caps them: qladder starts it at 20)
@@ -38,7 +38,7 @@ def scores_top(rung: object) -> TypeGuard[VllmRung | Replicas]:
     return isinstance(rung, VllmRung)
 
 
-class RemoteAuditor:
+class RemoteAuditor(QueuedAuditor):
     def __init__(self, rung: VllmRung | Replicas, n_vocab: int, on_record: Callable[[AuditRecord], None],
                  spawn: Callable[[Callable[[httpx.AsyncClient], Coroutine[object, object, None]]], None],
                  call_soon: Callable[..., None], busy: Callable[[], bool], max_jobs: int = 64,
@@ -54,24 +54,9 @@ class RemoteAuditor:
         self._current = 0  # a job taken and not yet delivered (loop thread; read for `pending`)
 
     # -- any thread ------------------------------------------------------------------------------
-    @property
-    def prefer(self) -> Callable[[str], bool] | None:
-        return self.queue.prefer
-
-    @prefer.setter
-    def prefer(self, fn: Callable[[str], bool] | None) -> None:
-        self.queue.prefer = fn
-
-    @property
-    def dropped(self) -> int:
-        return self.queue.dropped
-
     def offer(self, job: AuditJob) -> None:
-        self.queue.offer(job)
+        super().offer(job)
         self._call_soon(self._kick)
-
-    def spent(self, now: float) -> float:
-        return self.queue.spent(now)
 
     @property
     def pending(self) -> int:

@@ -496,7 +496,8 @@ def serve(
     workers: Annotated[int, typer.Option(help="Gateway processes on the one port (remote pools only; they "
                                               "share breakers and quarantine through [state]).")] = 1,
 ) -> None:
-    """Serve the ladder over HTTP, OpenAI-compatible (chat/completions, completions, models, metrics)."""
+    """Serve the ladder over HTTP, OpenAI-compatible (chat/completions, completions, models, metrics).
+    Every key of the --config file: `qladder config reference` (docs/CONFIG.md)."""
     import dataclasses
     import logging
 
@@ -546,6 +547,35 @@ def serve(
     typer.echo(f"qladder: serving {t.server.model_name} on http://{host}:{port}/v1 "
                f"(pools: {', '.join(p.name + '=' + '+'.join(p.rungs) for p in t.pools)})", err=True)
     run(server, host, port, log_level)
+
+
+config_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                         help="The topology file: its reference, and a file's effective configuration.")
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("reference")
+def config_reference() -> None:
+    """Print the configuration reference (Markdown; docs/CONFIG.md is this output)."""
+    from qladder.server.config_reference import render_markdown
+
+    typer.echo(render_markdown(), nl=False)
+
+
+@config_app.command("show")
+def config_show(
+    config: Annotated[Path | None, typer.Argument(help="A topology TOML file (none: the defaults).")] = None,
+    bare: Annotated[bool, typer.Option("--bare", help="Keys and values only, no docs.")] = False,
+) -> None:
+    """Print a file's effective configuration, every key with its value (its mistakes: exit 2)."""
+    from qladder.server.config_reference import render_toml
+    from qladder.server.topology import load_topology
+
+    try:
+        t = load_topology(config)
+    except ConfigError as exc:
+        _fail(str(exc))
+    typer.echo(render_toml(t, comments=not bare), nl=False)
 
 
 faults_app = typer.Typer(add_completion=False, no_args_is_help=True,

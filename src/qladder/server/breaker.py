@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from qladder.config import knob
+
 
 class BreakerMode(StrEnum):
     CLOSED = "closed"
@@ -36,12 +38,14 @@ MODE_VALUE = {BreakerMode.CLOSED: 0, BreakerMode.HALF_OPEN: 1, BreakerMode.OPEN:
 
 @dataclass(frozen=True)
 class BreakerConfig:
-    window_s: float = 30.0  # outcomes older than this leave the window
-    min_requests: int = 10  # no verdict on fewer outcomes than this
-    max_hazard_rate: float = 0.5  # open when more than this share of the window's requests hit a hazard
-    max_error_rate: float = 0.2  # ... or failed outright (an engine error, a stalled step)
-    open_s: float = 10.0  # how long an open breaker sends traffic elsewhere before probing
-    probes: int = 3  # clean probe outcomes that close a half-open breaker
+    """Every pool's circuit breaker (its requests go elsewhere while it is open)."""
+
+    window_s: float = knob(30.0, "outcomes older than this leave the breaker's window")
+    min_requests: int = knob(10, "no verdict on fewer outcomes than this")
+    max_hazard_rate: float = knob(0.5, "open when more than this share of the window's requests hit a hazard")
+    max_error_rate: float = knob(0.2, "... or failed outright (an engine error, a stalled step)")
+    open_s: float = knob(10.0, "how long an open breaker sends traffic elsewhere before probing")
+    probes: int = knob(3, "clean probe outcomes that close a half-open breaker")
 
     def __post_init__(self) -> None:
         from qladder.errors import ConfigError

@@ -14,11 +14,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from qladder.config import knob
+
 
 @dataclass(frozen=True)
 class QuarantineConfig:
-    ttl_s: float = 600.0
-    max_entries: int = 10_000
+    """Prompts that hit a hazard go straight to the standby while quarantined."""
+
+    ttl_s: float = knob(600.0, "how long a prompt's fingerprint stays quarantined")
+    max_entries: int = knob(10_000, "the most fingerprints kept (least recently used leave first)")
 
     def __post_init__(self) -> None:
         from qladder.errors import ConfigError

@@ -19,7 +19,7 @@ from typing import Any
 
 from qladder.audit import DriftWatch
 from qladder.client import EngineClient
-from qladder.config import Settings
+from qladder.config import Settings, env_name
 from qladder.engines.endpoint_board import EndpointBoard
 from qladder.engines.llamacpp import LlamaVocab
 from qladder.health.detector import committed, committed_drift_bound
@@ -188,8 +188,8 @@ def run(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: st
         server.close()
 
 
-WORKER_ENV = "QLADDER_SERVE_WORKER"  # the folder (0700) where each worker reads what it builds
-SUPERVISOR_ENV = "QLADDER_SERVE_SUPERVISOR"  # the supervisor's pid: a retrying worker ends when it is gone
+WORKER_ENV = env_name("serve_worker")  # the folder (0700) where each worker reads what it builds
+SUPERVISOR_ENV = env_name("serve_supervisor")  # the supervisor's pid: a retrying worker ends when it is gone
 _TOPOLOGY, _FAILED = "topology.pickle", "failed.txt"  # the topology and keys (0600); a worker's start-up failure
 _STARTED = "started"  # touched by each worker whose lifespan started: the gateway serves
 MAX_RESTART_WAIT_S = 30.0  # a restarted worker that cannot build tries again, backing off to this

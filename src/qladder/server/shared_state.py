@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+from qladder.config import knob
 from qladder.engines.endpoint_board import NEWS_SKEW_S, EndpointBoard, EndpointNews, newest
 from qladder.errors import ConfigError
 from qladder.server.breaker import BreakerConfig, BreakerMode, BreakerState, Outcome, Stamped, transition
@@ -58,11 +59,14 @@ BACKENDS = ("memory", "redis")
 
 @dataclass(frozen=True)
 class StateSettings:
-    backend: str = "memory"
-    url: str = ""  # redis://host:port/db
-    prefix: str = "qladder:"  # every key this gateway writes starts with it (several fleets, one Redis)
-    sync_s: float = 0.2  # how often a gateway merges its breakers and quarantine with the store
-    timeout_s: float = 0.5  # the bound on each store call; past it the gateway serves on its local view
+    """What gateways share (breakers, quarantine, replicas' health)."""
+
+    backend: str = knob("memory", "\"memory\": this gateway alone (nothing else to run); \"redis\": shared by "
+                                  "every gateway on `url`")
+    url: str = knob("", "redis://host:port/db")
+    prefix: str = knob("qladder:", "every key this gateway writes starts with it (several fleets, one Redis)")
+    sync_s: float = knob(0.2, "how often a gateway merges its breakers and quarantine with the store")
+    timeout_s: float = knob(0.5, "the bound on each store call; past it the gateway serves on its own view")
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

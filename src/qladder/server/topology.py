@@ -1,105 +1,13 @@
-"""The server's topology, from a TOML file: pools of rungs, routing weights, breakers, quarantine.
-
-    [server]                       # all optional; these are the defaults
-    model_name = "smollm2-135m-instruct"   # the id clients pass as `model` (also the GGUF's own name)
-    max_body_bytes = 1048576       # larger bodies get 413
-    default_max_tokens = 512       # when a request gives no max_tokens
-    drain_timeout_s = 30           # SIGTERM: in-flight streams get this long to finish
-    incidents = ""                 # SQLite path; "" = <cache>/incidents.sqlite3
-    redact = false                 # keep only prompt fingerprints in the incident store
-    allow_faults = false           # fault injection through the API (validation, load tests only)
-    guard = "default"              # guard preset: default, logits, strict, off
-    sanitize = "default"           # input defence preset: default, strict, off
-    verify_below = 0.945           # a prompt class whose audited agreement (last 200 greedy answers, at
-                                   # least 20) falls under this is served verified (0: never; unset: the
-                                   # bound calibrated on the train half, health/detector_calibration.json)
-
-    [model]
-    path = ""                      # a Llama-family GGUF; "" = the embedded SmolLM2-135M Q4_1
-    n_ctx = 2048                   # per slot
-
-    [[pools]]                      # the INT4 pool: continuous batching on one llama.cpp context
-    name = "int4"
-    rungs = ["int4"]
-    slots = 8
-                                   # (its threads: [cores] int4; `threads = N` here means int4 = N)
-    max_queue = 64                 # waiting requests beyond the slots; then 429
-    prompt_cache_mb = 512          # prompts' KV states kept in memory after their prefill: the same
-                                   # prompt again is restored, not prefilled (llama-server's --cache-ram;
-                                   # ~23 KB a token for the embedded model); 0: off
-    weight = 1.0                   # share of new requests routed here
-    handoff_to = "standby"         # the pool that catches this pool's handoffs
-    audit_rate = 0.05              # the audit: this share of INT4 answers scored teacher-forced by the
-                                   # standby's first rung, off the request path when it has nothing else
-                                   # to do (default: 0.05 beside a standby, in-process or vLLM
-                                   # (its prompt logprobs), each llama-server replica judged apart);
-                                   # scores by class in /metrics
-    audit_spare_rate = 0.5         # the share audited instead while the pool has a free slot and the
-    audit_budget = 0.1             # audit's core-time over the last 30 s is under this share of the
-                                   # box's cores: the floor always runs (alone at full load), the rest
-                                   # costs INT4 at most the budget of its throughput
-    detect = true                  # the audit's test (health/detector.py, a CUSUM with committed
-                                   # thresholds) ejects a pool (a replica) whose answers full precision
-                                   # finds unlikely: its requests then go to the standby (its siblings)
-                                   # until audited probes pass
-    precision = "fast"             # "fast": INT4's answers, guarded; "verified": INT4 drafts and the
-                                   # standby's first rung decides every token (its answers, verified
-                                   # decoding; over llama-server and vLLM greedy requests draft, sampled
-                                   # ones are vLLM's alone); a request may ask with "qladder": {"precision": ...}
-
-    # or, in front of a llama.cpp server a team already runs (every token it streams is checked):
-    #   rungs = ["llama-server"]
-    #   url = "http://127.0.0.1:8080"
-
-    [[pools]]                      # the hot standby: full precision, shared by every handoff
-    name = "standby"
-    rungs = ["fp32"]               # or ["int8", "fp32"]: a handoff tries the model's Q8_0 level first
-                                   # (INT4 -> INT8 -> FP32; the audit and verified decoding use fp32)
-    sessions = 4                   # requests stepped at once; more wait in its FIFO queue
-    threads = 1
-    max_queue = 256
-    weight = 0.0                   # 0: its capacity is reserved for handoffs and quarantined prompts
-
-    # or a vLLM server (full precision) as the standby; its tokens are checked like rung 0's:
-    #   rungs = ["vllm"]
-    #   url = "http://127.0.0.1:8000"
-
-    [cores]                        # the machine's cores, shared by the in-process INT4 pool and standby
-    total = 0                      # 0: the CPUs this process may run on (os.sched_getaffinity)
-    int4 = "elastic"               # "elastic": INT4 decodes on every core the standby is not using (all
-                                   # of them while it is idle, total - the standby's threads while it
-                                   # works: a handoff, a verified window, an audit); or N: N threads,
-                                   # fixed, no lease.
-                                   # Elastic needs an in-process INT4 pool and standby (a remote one's
-                                   # cores are its server's): otherwise INT4 runs N or 1 fixed threads
-    linger_s = 0.25                # INT4 keeps to its share this long after the standby's last work
-                                   # (total and linger_s: elastic only; keep the standby at 1 thread
-                                   # beside it, serving/cores.py says why)
-
-    [breaker]                      # every pool's circuit breaker (qladder.server.breaker)
-    window_s = 30.0
-    min_requests = 10
-    max_hazard_rate = 0.5
-    max_error_rate = 0.2
-    open_s = 10.0
-    probes = 3
-
-    [quarantine]
-    ttl_s = 600.0
-    max_entries = 10000
-
-    [state]                        # what gateways share (qladder.server.shared_state)
-    backend = "memory"             # "memory": this gateway alone (nothing else to run); "redis": the
-                                   # breakers and the quarantine shared by every gateway on `url`
-    url = ""                       # redis://host:port/db
-    prefix = "qladder:"            # the keys' prefix (several fleets on one Redis)
-    sync_s = 0.2                   # how often a gateway merges its state with the store
-    timeout_s = 0.5                # each store call's bound; past it the gateway serves on its own view
+"""The server's topology, from a TOML file: pools of rungs, routing weights, breakers, quarantine,
+cores, shared state. Every key, its default and what it trades is declared once, with its doc, on the
+fields below (and in breaker.py, quarantine.py, shared_state.py); docs/CONFIG.md is generated from
+them (`qladder config reference`, qladder.server.config_reference).
 
 With no file, the defaults serve the embedded model on the machine's cores: the standby on one
 thread, INT4 on the others, and on all of them while the standby has nothing to do (on 2 cores:
-INT4 on 2 threads while idle, 1 + 1 while a handoff, a verified window or an audit runs). Every
-mistake in a file is reported at start-up, one line each.
+INT4 on 2 threads while idle, 1 + 1 while a handoff, a verified window or an audit runs). In front
+of servers a team already runs: `rungs = ["llama-server"]` (INT4) or `["vllm"]` (the standby) with
+`url` (or `urls`, replicas). Every mistake in a file is reported at start-up, one line each.
 """
 
 from __future__ import annotations
@@ -110,6 +18,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from qladder.config import knob
 from qladder.errors import ConfigError
 from qladder.server.breaker import BreakerConfig
 from qladder.server.quarantine import QuarantineConfig
@@ -131,23 +40,40 @@ AUDIT_FLOOR = 0.05
 
 @dataclass(frozen=True)
 class PoolConfig:
-    name: str
-    rungs: tuple[str, ...]
-    threads: int = 1
-    slots: int = 8  # an INT4 pool: sequences batched together
-    sessions: int = 4  # a standby pool: requests stepped at once
-    max_queue: int = 64
-    weight: float = 0.0
-    handoff_to: str | None = None
-    url: str | None = None  # the server of the pool's remote rung (rungs = ["llama-server"] or ["vllm"])
-    urls: tuple[str, ...] = ()  # or replicas of it, the same weights (engines/replicas.py): one stream, any replica
-    precision: str = "fast"  # an INT4 pool's default: "fast" or "verified" (verified decoding)
-    audit_rate: float | None = None  # an INT4 pool's share of answers the audit scores (None: AUDIT_FLOOR
-    #                                  in-process beside an in-process standby, else 0)
-    audit_spare_rate: float = 0.5  # the share audited while the audit is within its budget (if audit_rate > 0)
-    audit_budget: float = 0.1  # the audit's core-time (last 30 s) beyond the floor: this share of the box's
-    detect: bool = True  # the audit's test on this pool's scores ejects it when it decides it is broken
-    prompt_cache_mb: int = 512  # an in-process INT4 pool: prompts' KV states kept in memory (0: off)
+    """One table per pool: the INT4 pool (rung int4, or llama-server over `url`/`urls`) or the standby
+    (fp32, bf16, w4a16, int8 under them, or vllm over `url`/`urls`)."""
+
+    name: str = knob("", "the pool's name: routing, metrics and handoff_to refer to it", required=True)
+    rungs: tuple[str, ...] = knob((), "its rungs, lowest first: [\"int4\"] or [\"llama-server\"] for "
+                                      "the INT4 pool; [\"fp32\"], [\"int8\", \"fp32\"] (INT4 -> INT8 -> FP32) or "
+                                      "[\"vllm\"] for the standby", required=True)
+    threads: int = knob(1, "a standby's threads (an in-process INT4 pool's are [cores] int4; `threads = N` "
+                           "there means int4 = N)")
+    slots: int = knob(8, "an INT4 pool's sequences batched together on one llama.cpp context")
+    sessions: int = knob(4, "a standby's requests stepped at once; more wait in its FIFO queue")
+    max_queue: int = knob(64, "requests waiting beyond the slots (sessions); past it, 429")
+    weight: float = knob(0.0, "the share of new requests routed here (the INT4 pool: 1.0 by default); 0: "
+                              "capacity reserved for handoffs and quarantined prompts")
+    handoff_to: str | None = knob(None, "the pool that catches this pool's handoffs (the INT4 pool: "
+                                        "\"standby\" by default)")
+    url: str | None = knob(None, "a remote rung's server: http://host:port of a llama-server or vLLM")
+    urls: tuple[str, ...] = knob((), "or replicas of it on the same weights: one stream, any replica; a dead "
+                                     "one's streams go on at a sibling, a corrupted one is ejected by the audit")
+    precision: str = knob("fast", "an INT4 pool's decode mode: \"fast\" (INT4's tokens under the step guard) "
+                                  "or \"verified\" (INT4 drafts, the standby's first rung decides every token: "
+                                  "full precision's answer); a request may ask with \"qladder\": {\"precision\": ...}")
+    audit_rate: float | None = knob(None, "the share of an INT4 pool's answers always scored teacher-forced by "
+                                          "the standby, off the request path (unset: 0.05 where a standby has a "
+                                          "full-precision rung, else 0)")
+    audit_spare_rate: float = knob(0.5, "the share audited instead while the pool has a free slot and the audit "
+                                        "is within audit_budget")
+    audit_budget: float = knob(0.1, "the audit's core-time over the last 30 s beyond the floor, as a share of "
+                                    "the box's cores: what the audit may cost INT4's throughput")
+    detect: bool = knob(True, "the audit's sequential test (a CUSUM, health/detector.py) ejects this pool (a "
+                              "replica) whose answers full precision finds unlikely, until audited probes pass")
+    prompt_cache_mb: int = knob(512, "an in-process INT4 pool: prompts' KV states kept after their prefill, so "
+                                     "the same prompt again is restored (~23 KB a token for the embedded model); "
+                                     "0: off")
 
     def audit_share(self, standby: PoolConfig | None) -> float:
         """The share of this pool's answers audited: its audit_rate, or the floor where a standby
@@ -169,23 +95,34 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class ServerSettings:
-    model_name: str = "smollm2-135m-instruct"
-    max_body_bytes: int = 1 << 20
-    default_max_tokens: int = DEFAULT_MAX_TOKENS
-    drain_timeout_s: float = 30.0
-    incidents: str = ""
-    redact: bool = False
-    allow_faults: bool = False
-    guard: str = "default"
-    sanitize: str = "default"
-    verify_below: float | None = None  # None: the committed calibrated bound (committed_drift_bound)
+    """The gateway's own settings."""
+
+    model_name: str = knob("smollm2-135m-instruct", "the id clients pass as `model`")
+    max_body_bytes: int = knob(1 << 20, "larger request bodies get 413")
+    default_max_tokens: int = knob(DEFAULT_MAX_TOKENS, "an answer's bound when a request gives no max_tokens")
+    drain_timeout_s: float = knob(30.0, "on SIGTERM, in-flight streams get this long to finish")
+    incidents: str = knob("", "the incident store: a SQLite path or a postgresql:// URL (\"\": "
+                              "<cache>/incidents.sqlite3); `qladder serve --incidents` overrides it")
+    redact: bool = knob(False, "keep only prompts' fingerprints in the incident store (`--redact`)")
+    allow_faults: bool = knob(False, "let requests inject faults: validation and load tests only, never in "
+                                     "production (`--allow-faults`)")
+    guard: str = knob("default", "the step guard's preset: default, logits, strict, off")
+    sanitize: str = knob("default", "the input defence's preset: default, strict, off")
+    verify_below: float | None = knob(None, "a prompt class whose audited agreement (last 200 greedy answers, at "
+                                            "least 20) falls under this is served verified (0: never; unset: the "
+                                            "bound calibrated on the train half, health/detector_calibration.json)")
 
 
 @dataclass(frozen=True)
 class CoresSettings:
-    total: int = 0  # 0: the CPUs this process may run on
-    int4: str | int = "elastic"  # or N fixed threads
-    linger_s: float = 0.25
+    """The machine's cores, shared by the in-process INT4 pool and standby."""
+
+    total: int = knob(0, "the cores to share (0: the CPUs this process may run on; a container's CPU quota is "
+                         "not read: set it there)")
+    int4: str | int = knob("elastic", "\"elastic\": INT4 decodes on every core the standby is not using (all of "
+                                      "them while it is idle); or N: N threads, fixed. Elastic needs an in-process "
+                                      "INT4 pool and standby (a remote pool's cores are its server's)")
+    linger_s: float = knob(0.25, "elastic: INT4 keeps to its share this long after the standby's last work")
 
     @property
     def cpus(self) -> int:
@@ -201,8 +138,10 @@ class CoresSettings:
 
 @dataclass(frozen=True)
 class ModelSettings:
-    path: str = ""
-    n_ctx: int = 2048
+    """The weights in-process rungs load."""
+
+    path: str = knob("", "a Llama-family GGUF (\"\": the embedded SmolLM2-135M-Instruct Q4_1)")
+    n_ctx: int = knob(2048, "the context per slot")
 
 
 def remote_topology(llama_url: str, vllm_url: str | tuple[str, ...], **server: Any) -> Topology:
@@ -223,6 +162,8 @@ def default_pools() -> tuple[PoolConfig, ...]:
 
 @dataclass(frozen=True)
 class Topology:
+    """The whole file: its sections (config_reference.SECTIONS documents them in this order)."""
+
     server: ServerSettings = field(default_factory=ServerSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
     pools: tuple[PoolConfig, ...] = field(default_factory=default_pools)

@@ -84,6 +84,9 @@ class RemoteValidateConfig:
     vllm_url: str | None = None  # a running vLLM on the same fp32 weights (else started here)
     # the gateway's INT4 pool's decode mode (`qladder serve`'s default unless the config's [gateway] says)
     gateway_precision: str = "fast"
+    # the INT4 pool's audit_rate (None: serve's default, the floor behind a vLLM standby; 0: no audit,
+    # to measure what the audit costs where vLLM shares the INT4 server's cores)
+    gateway_audit_rate: float | None = None
     corpus_dir: Path | None = None
 
     @classmethod
@@ -120,7 +123,7 @@ def load_remote_config(path: Path | None, quick: bool) -> RemoteValidateConfig:
             "llama_server": {"slots": "llama_slots", "threads": "llama_threads", "n_ctx_per_slot": "n_ctx_per_slot"},
             "vllm": {"threads": "vllm_threads", "max_num_seqs": "vllm_max_num_seqs",
                      "kv_cache_gib": "vllm_kv_cache_gib", "eager": "vllm_eager", "url": "vllm_url"},
-            "gateway": {"precision": "gateway_precision"}}
+            "gateway": {"precision": "gateway_precision", "audit_rate": "gateway_audit_rate"}}
     values: dict[str, Any] = {}
     errors = [f"unknown section [{k}]" for k in data if k not in keys]
     for section, known in keys.items():
@@ -130,7 +133,8 @@ def load_remote_config(path: Path | None, quick: bool) -> RemoteValidateConfig:
             if k not in mapping:
                 errors.append(f"[{section}] unknown key {k!r} (known: {', '.join(mapping)})")
                 continue
-            want = type(getattr(base, mapping[k])) if getattr(base, mapping[k]) is not None else str
+            default = getattr(base, mapping[k])
+            want = type(default) if default is not None else (float if mapping[k] == "gateway_audit_rate" else str)
             if want is tuple and isinstance(v, list):
                 v = tuple(v)
             if want is float and isinstance(v, int) and not isinstance(v, bool):
@@ -144,6 +148,9 @@ def load_remote_config(path: Path | None, quick: bool) -> RemoteValidateConfig:
         errors.append(f"[run] fault_names: {unknown} are not faults of a served model ({', '.join(REMOTE_FAULTS)})")
     if values.get("gateway_precision", base.gateway_precision) not in PRECISIONS:
         errors.append(f"[gateway] precision: {values['gateway_precision']!r} is none of {', '.join(PRECISIONS)}")
+    rate = values.get("gateway_audit_rate")
+    if rate is not None and not 0.0 <= rate <= 1.0:
+        errors.append(f"[gateway] audit_rate must be in [0, 1], got {rate}")
     if errors:
         raise ConfigError(f"{path}: {len(errors)} mistake(s):\n  " + "\n  ".join(errors))
     return dataclasses.replace(base, **values)
@@ -180,7 +187,8 @@ def gateway_toml(llama_url: str, vllm_url: str, c: RemoteValidateConfig, inciden
     return (f'[server]\nincidents = "{incidents}"\ndefault_max_tokens = {c.max_tokens}\n\n'
             f'[model]\nn_ctx = {c.n_ctx_per_slot}\n\n'
             f'[[pools]]\nname = "int4"\nrungs = ["llama-server"]\nurl = "{llama_url}"\nslots = {c.llama_slots}\n'
-            f'max_queue = 256\nweight = 1.0\nhandoff_to = "standby"\nprecision = "{c.gateway_precision}"\n\n'
+            f'max_queue = 256\nweight = 1.0\nhandoff_to = "standby"\nprecision = "{c.gateway_precision}"\n'
+            + ("" if c.gateway_audit_rate is None else f"audit_rate = {c.gateway_audit_rate}\n") + "\n"
             f'[[pools]]\nname = "standby"\nrungs = ["vllm"]\nurl = "{vllm_url}"\nsessions = {c.vllm_max_num_seqs}\n'
             f'max_queue = 256\n')
 

@@ -87,6 +87,7 @@ class RemoteValidateConfig:
     # the INT4 pool's audit_rate (None: serve's default, the floor behind a vLLM standby; 0: no audit,
     # to measure what the audit costs where vLLM shares the INT4 server's cores)
     gateway_audit_rate: float | None = None
+    gateway_audit_spare_rate: float = 0.5  # the share audited while the pool has room and the budget allows
     corpus_dir: Path | None = None
 
     @classmethod
@@ -123,7 +124,8 @@ def load_remote_config(path: Path | None, quick: bool) -> RemoteValidateConfig:
             "llama_server": {"slots": "llama_slots", "threads": "llama_threads", "n_ctx_per_slot": "n_ctx_per_slot"},
             "vllm": {"threads": "vllm_threads", "max_num_seqs": "vllm_max_num_seqs",
                      "kv_cache_gib": "vllm_kv_cache_gib", "eager": "vllm_eager", "url": "vllm_url"},
-            "gateway": {"precision": "gateway_precision", "audit_rate": "gateway_audit_rate"}}
+            "gateway": {"precision": "gateway_precision", "audit_rate": "gateway_audit_rate",
+                        "audit_spare_rate": "gateway_audit_spare_rate"}}
     values: dict[str, Any] = {}
     errors = [f"unknown section [{k}]" for k in data if k not in keys]
     for section, known in keys.items():
@@ -148,9 +150,10 @@ def load_remote_config(path: Path | None, quick: bool) -> RemoteValidateConfig:
         errors.append(f"[run] fault_names: {unknown} are not faults of a served model ({', '.join(REMOTE_FAULTS)})")
     if values.get("gateway_precision", base.gateway_precision) not in PRECISIONS:
         errors.append(f"[gateway] precision: {values['gateway_precision']!r} is none of {', '.join(PRECISIONS)}")
-    rate = values.get("gateway_audit_rate")
-    if rate is not None and not 0.0 <= rate <= 1.0:
-        errors.append(f"[gateway] audit_rate must be in [0, 1], got {rate}")
+    for key in ("audit_rate", "audit_spare_rate"):
+        rate = values.get(f"gateway_{key}")
+        if rate is not None and not 0.0 <= rate <= 1.0:
+            errors.append(f"[gateway] {key} must be in [0, 1], got {rate}")
     if errors:
         raise ConfigError(f"{path}: {len(errors)} mistake(s):\n  " + "\n  ".join(errors))
     return dataclasses.replace(base, **values)
@@ -188,7 +191,8 @@ def gateway_toml(llama_url: str, vllm_url: str, c: RemoteValidateConfig, inciden
             f'[model]\nn_ctx = {c.n_ctx_per_slot}\n\n'
             f'[[pools]]\nname = "int4"\nrungs = ["llama-server"]\nurl = "{llama_url}"\nslots = {c.llama_slots}\n'
             f'max_queue = 256\nweight = 1.0\nhandoff_to = "standby"\nprecision = "{c.gateway_precision}"\n'
-            + ("" if c.gateway_audit_rate is None else f"audit_rate = {c.gateway_audit_rate}\n") + "\n"
+            + ("" if c.gateway_audit_rate is None else f"audit_rate = {c.gateway_audit_rate}\n")
+            + f"audit_spare_rate = {c.gateway_audit_spare_rate}\n\n"
             f'[[pools]]\nname = "standby"\nrungs = ["vllm"]\nurl = "{vllm_url}"\nsessions = {c.vllm_max_num_seqs}\n'
             f'max_queue = 256\n')
 

@@ -556,3 +556,54 @@ def test_a_remote_auditor_scores_urgent_jobs_first_in_the_standbys_spare_turns_a
         thread.join(5)
         loop.close()
 
+
+
+def test_an_audit_call_on_a_standby_served_from_this_machine_is_charged_as_the_boxs_cores():
+    """A vLLM standby on loopback shares the box with the INT4 servers: a second of its audit call
+    costs INT4 every core it holds, so it is charged as the box's cores (measured: the audit at the
+    default budget, charged as one core, made guarded 1.28x bare in validate --remote on 2 cores,
+    1.03x with it off); a standby elsewhere, one core's. A call's time in flight is charged so."""
+    from qladder.engines.remote_vllm import VllmRung
+    from qladder.engines.replicas import Replicas
+    from qladder.serving.remote_auditor import RemoteAuditor, charge_for, on_this_machine
+
+    assert all(on_this_machine(u) for u in ("http://127.0.0.1:8000", "http://localhost:1", "http://[::1]:8000",
+                                            "https://127.3.4.5/v1"))
+    assert not any(on_this_machine(u) for u in ("http://10.0.0.6:8000", "http://gpu-box:8000", "http://[2001:db8::1]/"))
+
+    def rung(url: str) -> VllmRung:
+        r = VllmRung.__new__(VllmRung)  # (no server to ask: charge_for reads only its url)
+        r.base_url = url
+        return r
+
+    here, there = rung("http://127.0.0.1:8000"), rung("http://10.0.0.6:8000")
+    assert charge_for(here, 2) == 2.0 and charge_for(there, 2) == 1.0
+    both = Replicas.__new__(Replicas)
+    both.endpoints = [here, there]
+    assert charge_for(both, 16) == 1.0  # (one replica elsewhere: not all of it is this box's)
+    both.endpoints = [here, rung("http://localhost:8001")]
+    assert charge_for(both, 16) == 16.0
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    gate = threading.Event()
+    gate.set()
+    now = [0.0]
+
+    class _Slow(_FakeTopScorer):
+        async def score_top(self, client, prompt, answer, k):
+            now[0] += 0.5  # half a second in flight, on the fake clock
+            return await super().score_top(client, prompt, answer, k)
+
+    records: list[AuditRecord] = []
+    a = RemoteAuditor(_Slow(gate), 64, records.append, lambda w: asyncio.run_coroutine_threadsafe(w(None), loop),
+                      loop.call_soon_threadsafe, lambda: False, clock=lambda: now[0], charge_cores=2.0)
+    try:
+        a.offer(AuditJob("r", "chat", "http://127.0.0.1:8000", (1,), (5, 6), ()))
+        _until(lambda: a.pending == 0 and len(records) == 1, "the call")
+        assert a.spent(now[0]) == pytest.approx(1.0)  # 0.5 s in flight x 2 cores
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()

@@ -59,14 +59,14 @@ from qladder.serving.drafts import should_draft
 from qladder.serving.endpoint_watch import Alarm, EndpointWatch
 from qladder.serving.handoffs import Handoffs
 from qladder.serving.remote import RemoteConfig, RemotePool
-from qladder.serving.remote_auditor import RemoteAuditor, scores_top
+from qladder.serving.remote_auditor import RemoteAuditor, charge_for, scores_top
 from qladder.serving.remote_probe import probe_answer
 from qladder.serving.scheduler import Int4Scheduler, SchedulerConfig
 from qladder.serving.standby import StandbyPool
 from qladder.types import Event, FinalEvent, GenerationResult, Hazard
 
 if TYPE_CHECKING:
-    from qladder.faults import Fault
+    from qladder.testing.faults import Fault
 
 _log = logging.getLogger("qladder.serving")
 # The remote rungs this engine drives from its remote pool (a ladder's rungs are sorted by type:
@@ -230,7 +230,8 @@ class ServingEngine:
             rp = self.remote
             self.remote_auditor = RemoteAuditor(scorer, self.info.n_vocab, self._audited, rp.spawn,
                                                 rp.call_soon, lambda: rp.standby_active > 0,
-                                                max_jobs=c.audit_queue, clock=clock)
+                                                max_jobs=c.audit_queue, clock=clock,
+                                                charge_cores=charge_for(scorer, c.cores or os.cpu_count() or 1))
         # the endpoint detector: INT4's endpoints (the in-process pool, or each llama-server replica)
         # audited by the standby's first rung (in-process, or vLLM)
         self.watch: EndpointWatch | None = None

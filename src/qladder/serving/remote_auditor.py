@@ -7,14 +7,17 @@ false-alarm rate holds).
 Jobs wait in an AuditQueue (urgent first, then the newest) and are scored on the remote pool's
 loop one at a time: an ordinary job waits while the standby is continuing handoffs (its spare
 capacity only; an urgent one, what decides an alarm, does not), and the time each call is in
-flight is charged to the audit's budget as one core's (the vLLM server's work on this answer).
+flight is charged to the audit's budget: as the box's cores where the standby is served from this
+machine (it then holds cores INT4 decodes without), else as one core's (`charge_for`).
 `offer` and `pending` are called from any thread; everything else runs on the loop's thread."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
+import urllib.parse
 from collections.abc import Callable, Coroutine
 from typing import TypeGuard
 
@@ -31,6 +34,28 @@ TOP_K = 20  # fp32's top entries a position asks for (vLLM's --max-logprobs caps
 IDLE_POLL_S = 0.05  # how often an ordinary job waiting for the standby's spare capacity looks again
 
 
+def on_this_machine(url: str) -> bool:
+    """Whether a server's URL is this machine's loopback (its host, a loopback address or name)."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def charge_for(rung: VllmRung | Replicas, box_cores: int) -> float:
+    """The cores a second of an audit call in flight costs INT4. A standby served from this
+    machine (every endpoint on loopback) shares its cores with the INT4 servers: vLLM's engine and
+    its API server (prompt logprobs: the top k of every position, detokenized) hold more than one
+    core while a call is in flight, and every core they hold is one INT4 decodes without, so a
+    second is charged as the box's cores. Elsewhere, one core's (its own machine's; the budget
+    then bounds the audit's share of the standby)."""
+    urls = [e.base_url for e in rung.endpoints] if isinstance(rung, Replicas) else [rung.base_url]
+    return float(box_cores) if all(on_this_machine(u) for u in urls) else 1.0
+
+
 def scores_top(rung: object) -> TypeGuard[VllmRung | Replicas]:
     """Whether a remote rung can score an audited answer's rows: a vLLM server, or replicas of one."""
     if isinstance(rung, Replicas):
@@ -42,10 +67,12 @@ class RemoteAuditor(QueuedAuditor):
     def __init__(self, rung: VllmRung | Replicas, n_vocab: int, on_record: Callable[[AuditRecord], None],
                  spawn: Callable[[Callable[[httpx.AsyncClient], Coroutine[object, object, None]]], None],
                  call_soon: Callable[..., None], busy: Callable[[], bool], max_jobs: int = 64,
-                 k: int = TOP_K, clock: Callable[[], float] = time.monotonic):
+                 k: int = TOP_K, clock: Callable[[], float] = time.monotonic, charge_cores: float = 1.0):
         """spawn/call_soon: the remote pool's (work on its loop); busy: whether the standby is
-        continuing handoffs now (read on the loop)."""
+        continuing handoffs now (read on the loop); charge_cores: the cores a second of a call in
+        flight is charged as (`charge_for`)."""
         self.rung, self.n_vocab, self.on_record, self.k = rung, n_vocab, on_record, k
+        self.charge_cores = charge_cores
         self._spawn, self._call_soon, self._busy, self.clock = spawn, call_soon, busy, clock
         self.queue = AuditQueue(max_jobs)
         self.done = 0
@@ -98,7 +125,7 @@ class RemoteAuditor(QueuedAuditor):
             return
         finally:
             now = self.clock()
-            self.queue.charge(now, now - t0)
+            self.queue.charge(now, (now - t0) * self.charge_cores)
         record = score_top(job, rows, self.n_vocab)
         self.done += 1
         self.on_record(record)

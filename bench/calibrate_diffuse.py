@@ -24,8 +24,8 @@ from qladder.engines.llamacpp import LlamaVocab
 from qladder.model import inspect_model, user_prompt_ids
 from qladder.peers.llama_server import LlamaServer
 from qladder.percentiles import percentile
+from qladder.testing.gguf_patch import corrupt_gguf_scale
 from qladder.validate.corpora import Prompt, load_corpora, train
-from qladder.validate.gguf_patch import corrupt_gguf_scale
 from qladder.validate.replay import as_sent
 
 BOUNDS = (-1.8, -2.0, -2.2, -2.5)

@@ -41,9 +41,9 @@ from qladder.health.detector import committed
 from qladder.model import inspect_model, user_prompt_ids
 from qladder.sampling import SamplingParams
 from qladder.serving import ServingConfig, ServingEngine
+from qladder.testing.gguf_patch import GGUF_PATCHES
 from qladder.validate.corpora import load_corpora, split_of
 from qladder.validate.fault_models import FAULT_MODELS, TEST_FAULT_MODELS
-from qladder.validate.gguf_patch import GGUF_PATCHES
 from qladder.validate.replay import as_sent
 
 SETTINGS = {"quiet": (0.05, 0.5), "busy": (0.05, 0.0)}

@@ -56,11 +56,11 @@ from qladder.model import ModelInfo, inspect_model, user_prompt_ids
 from qladder.peers.llama_server import LlamaServer
 from qladder.sampling import SamplingParams
 from qladder.serving import ServingConfig, ServingEngine
+from qladder.testing.gguf_patch import GGUF_PATCHES
 from qladder.validate.calibration import committed as judge_calibration
 from qladder.validate.corpora import load_corpora, split_of
 from qladder.validate.fault_models import FAULT_MODELS, TEST_FAULT_MODELS
 from qladder.validate.garbage import judge, mean_nll
-from qladder.validate.gguf_patch import GGUF_PATCHES
 from qladder.validate.replay import as_sent
 
 CLIENTS = 8

@@ -54,10 +54,10 @@ from qladder.peers.vllm import VllmServer
 from qladder.sampling import SamplingParams
 from qladder.server.serve import build_server
 from qladder.server.topology import remote_topology
+from qladder.testing.gguf_patch import patch_scales
 from qladder.validate.corpora import load_corpora
 from qladder.validate.fault_models import TEST_FAULT_MODELS
 from qladder.validate.garbage import judge, mean_nll
-from qladder.validate.gguf_patch import patch_scales
 from qladder.validate.precision_table import known_prompts
 from qladder.validate.remote import Fp32Judge
 

@@ -11,8 +11,8 @@ from qladder.engines.llamacpp import LlamaVocab
 from qladder.errors import InputError
 from qladder.model import ModelInfo
 from qladder.prepare import Preparer
+from qladder.testing.gguf_patch import corrupt_gguf_scale, glitch_gguf
 from qladder.validate.corpora import Prompt, load_corpora, train
-from qladder.validate.gguf_patch import corrupt_gguf_scale, glitch_gguf
 from qladder.validate.replay import as_sent
 
 GLITCH_CLASSES = ("emoji_zwj",)  # the sanitizer removes the others' glitch tokens before the gateway

@@ -100,7 +100,7 @@ def w4a16():
 def inf_scale_gguf(model_info, tmp_path_factory):
     """A copy of the embedded GGUF with one Q4_1 block scale (layer 11 ffn_down, row 507) set to
     inf: llama-server answers it with "......", 200 OK and null logprobs."""
-    from qladder.validate.gguf_patch import inf_scale_gguf
+    from qladder.testing.gguf_patch import inf_scale_gguf
 
     dst = tmp_path_factory.mktemp("gguf") / "inf-scale.gguf"
     inf_scale_gguf(model_info.path, dst)

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from qladder.audit import AuditRecord
 from qladder.client import AsyncEvents, Request
 from qladder.errors import ConfigError, QueueFullError, check_prompt_fits
-from qladder.faults import Fault
 from qladder.policy import LadderConfig
 from qladder.sampling import SamplingParams
+from qladder.testing.faults import Fault
 from qladder.types import (
     Event,
     FinalEvent,

@@ -9,8 +9,8 @@ import pytest
 
 from qladder.client import EngineClient
 from qladder.errors import InputError
-from qladder.faults import parse_fault
 from qladder.sampling import SamplingParams
+from qladder.testing.faults import parse_fault
 from qladder.types import Event, FinalEvent, FinishReason, HandoffEvent, HazardEvent, TokenEvent
 
 from .conftest import get_engine

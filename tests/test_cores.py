@@ -11,7 +11,6 @@ import pytest
 
 from qladder.config import Settings
 from qladder.errors import ConfigError
-from qladder.faults import parse_fault
 from qladder.health.guard import GUARD_PRESETS
 from qladder.model import user_prompt_ids
 from qladder.policy import LadderConfig
@@ -20,6 +19,7 @@ from qladder.server.serve import serving_config
 from qladder.server.topology import Topology, parse_topology
 from qladder.serving import ServingConfig, ServingEngine
 from qladder.serving.cores import Cores, int4_threads
+from qladder.testing.faults import parse_fault
 from qladder.validate.replay import greedy
 
 from .conftest import get_engine

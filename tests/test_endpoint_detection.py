@@ -20,8 +20,8 @@ from qladder.model import user_prompt_ids
 from qladder.peers.llama_server import LlamaServer
 from qladder.sampling import SamplingParams
 from qladder.serving import ServingConfig, ServingEngine
+from qladder.testing.gguf_patch import patch_scales
 from qladder.validate.corpora import normal_prompts, split_of
-from qladder.validate.gguf_patch import patch_scales
 from qladder.validate.replay import greedy
 
 from .conftest import get_engine

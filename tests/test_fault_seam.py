@@ -54,7 +54,7 @@ try:
             body["prompt"] = "The three primary colors are"
         r = client.post(f"/v1/{'chat/' if path == 'chat' else ''}completions", json=body)
         return {"status": r.status_code, "hazards": [h["check"] for h in r.json()["qladder"]["hazards"]],
-                "fault_modules": sorted(m for m in sys.modules if m == "qladder.faults" or ".gguf_patch" in m),
+                "fault_modules": sorted(m for m in sys.modules if m == "qladder.testing.faults" or ".gguf_patch" in m),
                 "hooks": sorted(set(calls))}
 
     seen["chat"] = ask("chat", {})
@@ -76,18 +76,18 @@ def test_a_request_without_faults_runs_no_fault_code(tmp_path):
         assert clean == {"status": 200, "hazards": [], "fault_modules": [], "hooks": []}
     # The same spies see a faulted request's machinery: the check above can fail.
     faulted = seen["faulted"]
-    assert faulted["status"] == 200 and faulted["fault_modules"] == ["qladder.faults"]
+    assert faulted["status"] == 200 and faulted["fault_modules"] == ["qladder.testing.faults"]
     assert {"set_gain", "clear_gain"} <= set(faulted["hooks"]) and faulted["hazards"]
 
 
 # Where fault code may be reached at run time: its own module, the seam, and the tools that are
 # test machinery themselves (validation, benchmarks); the package's lazy public names.
-FAULT_REACH = {"faults.py", "fault_seam.py", "__init__.py"}
-FAULT_TOOLS = ("validate/", "benchmarks/")
+FAULT_REACH = {"__init__.py"}  # (its lazy names: PEP 562, loaded on first use)
+FAULT_TOOLS = ("testing/", "validate/", "benchmarks/")  # the testing wing, and the tools that use it
 
 
 def _runtime_fault_imports(path):
-    """Lines of `path` that import qladder.faults outside an `if TYPE_CHECKING:` block."""
+    """Lines of `path` that import qladder.testing.faults outside an `if TYPE_CHECKING:` block."""
     import ast
 
     tree = ast.parse(path.read_text())
@@ -96,13 +96,14 @@ def _runtime_fault_imports(path):
         if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
             typing_only |= {id(n) for b in node.body for n in ast.walk(b)}
     return [n.lineno for n in ast.walk(tree) if id(n) not in typing_only and (
-        (isinstance(n, ast.ImportFrom) and n.module == "qladder.faults")
-        or (isinstance(n, ast.ImportFrom) and n.module == "qladder" and any(a.name == "faults" for a in n.names))
-        or (isinstance(n, ast.Import) and any(a.name == "qladder.faults" for a in n.names)))]
+        (isinstance(n, ast.ImportFrom) and n.module == "qladder.testing.faults")
+        or (isinstance(n, ast.ImportFrom) and n.module == "qladder.testing"
+            and any(a.name == "faults" for a in n.names))
+        or (isinstance(n, ast.Import) and any(a.name == "qladder.testing.faults" for a in n.names)))]
 
 
 def test_fault_code_is_reached_only_through_the_seam():
-    """`grep faults`, as a test: no production module imports qladder.faults at run time but the
+    """`grep faults`, as a test: no production module imports qladder.testing.faults at run time but the
     seam (type-only imports are allowed; validation and benchmarks are test machinery)."""
     from pathlib import Path
 
@@ -114,4 +115,4 @@ def test_fault_code_is_reached_only_through_the_seam():
     assert reach, "the checker found no import at all: it is not looking"
     outside = {f: ls for f, ls in reach.items() if f not in FAULT_REACH and not f.startswith(FAULT_TOOLS)}
     assert outside == {}, f"fault code reached outside the seam: {outside}"
-    assert "fault_seam.py" in reach
+    assert "testing/seam.py" in reach

@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qladder.faults import parse_fault
 from qladder.health import GUARD_PRESETS, GuardConfig, StepGuard, find_repetition
 from qladder.health.guard import RemoteChecks
 from qladder.policy import Continue, Handoff, LadderPolicy, Stop
+from qladder.testing.faults import parse_fault
 from qladder.types import FinishReason, Hazard
 
 V = 49152
@@ -441,7 +441,7 @@ def test_a_passed_draft_is_released_as_a_remote_rung_releases_and_an_early_end_w
 def test_row_faults_corrupt_from_their_step_on_and_stall_once():
     from qladder.engines.base import StepOutput
     from qladder.errors import EngineError
-    from qladder.faults import RowFaults, row_faults
+    from qladder.testing.faults import RowFaults, row_faults
 
     assert row_faults([parse_fault("gain@layer=11,channel=507,x=3")]) is None  # no step fault: nothing installed
     f = RowFaults([parse_fault("nan@step=2"), parse_fault("stall@step=1,s=0.5")])
@@ -459,8 +459,8 @@ def test_token_faults_hit_their_step_only():
     """A remote rung streams sampled tokens: a fault changes the token of its own step (the server
     has sampled on), never the ones after."""
     from qladder.errors import EngineError
-    from qladder.faults import TokenFaults, token_faults
     from qladder.health.remote import RemoteToken
+    from qladder.testing.faults import TokenFaults, token_faults
 
     assert token_faults([]) is None
     tok = RemoteToken(7, -0.1, b"a", ((7, -0.1), (8, -2.0)))

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from qladder.engines.scripted import ScriptedEngine
-from qladder.faults import parse_fault
 from qladder.health.guard import GUARD_PRESETS, StepGuard
 from qladder.incidents import IncidentStore
 from qladder.ladder import Ladder, LadderConfig
 from qladder.model import user_prompt_ids
 from qladder.policy import LadderPolicy
 from qladder.sampling import SamplingParams
+from qladder.testing.faults import parse_fault
 from qladder.types import FALLBACK_TEXT, FinishReason
 from qladder.validate.replay import greedy
 
@@ -354,7 +354,7 @@ def test_corrupted_quantization_scale_in_a_gguf_copy_is_caught(tmp_path):
     from qladder.config import Settings
     from qladder.engines import load_engine
     from qladder.model import bundled_model_path, inspect_model
-    from qladder.validate.gguf_patch import corrupt_gguf_scale
+    from qladder.testing.gguf_patch import corrupt_gguf_scale
 
     dst = tmp_path / "corrupt.gguf"
     change = corrupt_gguf_scale(bundled_model_path(), dst, x=1000.0)
@@ -379,7 +379,7 @@ def test_glitch_token_embeddings_in_an_untied_gguf_copy(tmp_path):
     from qladder.config import Settings
     from qladder.engines import load_engine
     from qladder.model import bundled_model_path, inspect_model
-    from qladder.validate.gguf_patch import byte_fallback_tokens, glitch_gguf
+    from qladder.testing.gguf_patch import byte_fallback_tokens, glitch_gguf
 
     int4, fp32 = get_engine("int4"), get_engine("fp32")
     pieces = fp32.tokenizer.convert_ids_to_tokens(list(range(fp32.n_vocab)))

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from qladder.errors import ConfigError
-from qladder.faults import parse_fault
 from qladder.ladder import Ladder
 from qladder.levels import LEVELS, describe, full_precision_gguf, level_gguf, level_name
 from qladder.model import inspect_model, user_prompt_ids
 from qladder.sampling import SamplingParams
+from qladder.testing.faults import parse_fault
 
 from .conftest import get_engine
 

@@ -11,11 +11,11 @@ import time
 import httpx
 import pytest
 
-from qladder.faults import parse_fault
 from qladder.model import user_prompt_ids
 from qladder.peers.llama_server import LlamaServer
 from qladder.sampling import SamplingParams
 from qladder.serving import ServingConfig, ServingEngine
+from qladder.testing.faults import parse_fault
 from qladder.types import FinishReason
 from qladder.validate.replay import greedy
 
@@ -175,7 +175,7 @@ def test_a_server_whose_vocabulary_differs_is_refused_at_start(model_info, tmp_p
     from qladder.engines.llamacpp import LlamaVocab
     from qladder.engines.remote_llama import LlamaServerRung
     from qladder.errors import TokenizerMismatchError
-    from qladder.validate.gguf_patch import swapped_vocab_gguf
+    from qladder.testing.gguf_patch import swapped_vocab_gguf
 
     vocab = LlamaVocab(model_info)
     hello, world = vocab.tokenize("Hello", False)[0], vocab.tokenize(" world", False)[0]

@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-from qladder.faults import parse_fault
 from qladder.health.guard import GUARD_PRESETS
 from qladder.model import user_prompt_ids
 from qladder.peers.llama_server import LlamaServer
@@ -22,6 +21,7 @@ from qladder.policy import LadderConfig
 from qladder.sampling import SamplingParams
 from qladder.serving import ServingConfig, ServingEngine
 from qladder.serving.remote import RemoteConfig
+from qladder.testing.faults import parse_fault
 
 from .conftest import get_engine
 

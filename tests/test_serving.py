@@ -9,7 +9,6 @@ import time
 import pytest
 
 from qladder.errors import ConfigError, QueueFullError
-from qladder.faults import parse_fault
 from qladder.health.guard import GUARD_PRESETS
 from qladder.incidents import IncidentStore
 from qladder.model import user_prompt_ids
@@ -17,6 +16,7 @@ from qladder.policy import LadderConfig
 from qladder.sampling import SamplingParams
 from qladder.serving import SchedulerConfig, ServingConfig, ServingEngine
 from qladder.stream import _complete
+from qladder.testing.faults import parse_fault
 from qladder.types import FinalEvent, FinishReason, TokenEvent
 from qladder.validate.replay import greedy
 

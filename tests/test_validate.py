@@ -10,7 +10,7 @@ import pytest
 
 from qladder.engines.scripted import ScriptedEngine
 from qladder.errors import ConfigError
-from qladder.faults import parse_fault
+from qladder.testing.faults import parse_fault
 from qladder.types import FALLBACK_TEXT
 from qladder.validate import corpora, queueing
 from qladder.validate.fault_models import FAULT_MODELS, assign, by_name
@@ -107,7 +107,7 @@ def test_gguf_patches_change_exactly_the_chosen_scales(tmp_path, model_info):
     import numpy as np
     from gguf import GGUFReader
 
-    from qladder.validate.gguf_patch import parse_index_list, patch_scales
+    from qladder.testing.gguf_patch import parse_index_list, patch_scales
 
     assert parse_index_list("0-3,7,10-11", 20, "rows") == [0, 1, 2, 3, 7, 10, 11]
     assert parse_index_list("all", 3, "rows") == [0, 1, 2]

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from qladder.errors import ConfigError
-from qladder.faults import parse_fault
 from qladder.model import user_prompt_ids
 from qladder.sampling import Sampler, SamplingParams
 from qladder.serving import ServingConfig, ServingEngine
 from qladder.serving.drafts import K_MAX, K_MIN, Drafts, next_k
+from qladder.testing.faults import parse_fault
 from qladder.types import FinalEvent, FinishReason, TokenEvent
 from qladder.validate.replay import greedy
 

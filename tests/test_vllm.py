@@ -129,7 +129,7 @@ def test_glitch_tokens_first_tokens_are_refused_by_vllm_and_the_answer_continues
     check of the stream says so until the loop is long. vLLM scores the held draft (one prefill);
     the first token it finds far less likely is refused, and the answer continues on vLLM from
     the tokens before it. Nothing refused is forwarded."""
-    from qladder.validate.gguf_patch import glitch_gguf
+    from qladder.testing.gguf_patch import glitch_gguf
 
     emoji = next(p.prompt for p in load_corpora()[1] if p.id == "a-emoji_zwj-001")  # a ZWJ chain
     bad = tmp_path / "glitch.gguf"

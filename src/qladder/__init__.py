@@ -6,7 +6,7 @@ token ids), on engines that step one token at a time (`load_engine`: int4, w4a16
 
 The names below load on first use (PEP 562): `import qladder.client` or `import qladder.server`
 does not import every engine, and serving a request without faults never imports the fault
-models (`qladder.faults`, test machinery).
+models (`qladder.testing.faults`, test machinery).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ _HOME = {
     "ModelError": "qladder.errors",
     "QladderError": "qladder.errors",
     "TokenizerMismatchError": "qladder.errors",
-    "Fault": "qladder.faults",
-    "parse_fault": "qladder.faults",
+    "Fault": "qladder.testing.faults",
+    "parse_fault": "qladder.testing.faults",
     "GUARD_PRESETS": "qladder.health",
     "GuardConfig": "qladder.health",
     "StepGuard": "qladder.health",
@@ -112,7 +112,6 @@ if TYPE_CHECKING:
         QladderError,
         TokenizerMismatchError,
     )
-    from qladder.faults import Fault, parse_fault
     from qladder.health import GUARD_PRESETS, GuardConfig, StepGuard
     from qladder.incidents import Incident, IncidentStore
     from qladder.ladder import Ladder, LadderConfig
@@ -121,4 +120,5 @@ if TYPE_CHECKING:
     from qladder.sanitize import SanitizeConfig, SanitizeResult
     from qladder.service import Qladder
     from qladder.serving.engine import ServingConfig, ServingEngine
+    from qladder.testing.faults import Fault, parse_fault
     from qladder.types import FinishReason, GenerationResult, Handoff, Hazard

@@ -15,12 +15,12 @@ from qladder.types import DEFAULT_MAX_TOKENS
 
 if TYPE_CHECKING:
     from qladder.config import Settings
-    from qladder.faults import Fault
     from qladder.incidents import IncidentBackend, IncidentStore
     from qladder.ladder import LadderConfig
     from qladder.sampling import SamplingParams
     from qladder.sanitize import SanitizeConfig
     from qladder.service import Answer
+    from qladder.testing.faults import Fault
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="A precision ladder for quantized LLMs.")
@@ -85,7 +85,6 @@ def _generate(prompt: str, ladder: str, max_tokens: int, temperature: float, top
               seed: int, stop: list[str], faults: list[str], guard: str, sanitize: str, warm_shadow: bool,
               return_after: int | None, model: Path | None, incidents: Path | None,
               verified: bool = False) -> dict[str, Any]:
-    from qladder import fault_seam
     from qladder.config import Settings
     from qladder.errors import ConfigError
     from qladder.health.guard import GUARD_PRESETS
@@ -95,6 +94,7 @@ def _generate(prompt: str, ladder: str, max_tokens: int, temperature: float, top
     from qladder.sampling import SamplingParams
     from qladder.sanitize import PRESETS
     from qladder.service import Qladder, parse_ladder
+    from qladder.testing import seam as fault_seam
 
     rungs = parse_ladder(ladder)
     if verified and rungs == ["int4"]:  # a verified answer needs a rung to decide: fp32 by default
@@ -601,7 +601,7 @@ def faults_patch_gguf(
 ) -> None:
     """Write a patched copy of a GGUF: corrupted quantization scales or glitch-token embeddings,
     to run through llama.cpp's real kernels (llama-server -m OUT, or `qladder validate`)."""
-    from qladder.validate.gguf_patch import glitch_gguf, patch_scales
+    from qladder.testing.gguf_patch import glitch_gguf, patch_scales
 
     try:
         if glitch_tokens is not None:

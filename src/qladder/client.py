@@ -22,8 +22,8 @@ from qladder.types import Event, FinalEvent
 
 if TYPE_CHECKING:
     from qladder.audit import AuditRecord
-    from qladder.faults import Fault
     from qladder.policy import LadderConfig
+    from qladder.testing.faults import Fault
 
 
 @dataclass(frozen=True)

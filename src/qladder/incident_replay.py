@@ -60,13 +60,13 @@ def group_prompts(rows: Sequence[dict[str, Any]], limit: int) -> list[dict[str, 
 
 def replay_incidents(rows: Sequence[dict[str, Any]], rungs: Sequence[str], limit: int = 20,
                      with_faults: bool = False) -> dict[str, Any]:
-    from qladder import fault_seam
     from qladder.config import Settings
     from qladder.engines import check_rungs, load_engine
     from qladder.ladder import Ladder
     from qladder.model import inspect_model
     from qladder.policy import LadderConfig
     from qladder.sampling import SamplingParams
+    from qladder.testing import seam as fault_seam
 
     check_rungs(rungs)
     groups = group_prompts(rows, limit)

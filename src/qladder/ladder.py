@@ -28,7 +28,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from qladder import fault_seam
 from qladder.actions import Action, Continue, Done, MoveTo, StepFailed, Verify
 from qladder.client import Request
 from qladder.engines import instrument
@@ -41,12 +40,13 @@ from qladder.model import ModelInfo
 from qladder.policy import LadderConfig
 from qladder.sampling import SamplingParams
 from qladder.shadow import WarmShadow
+from qladder.testing import seam as fault_seam
 from qladder.types import GenerationResult, Hazard
 
 __all__ = ["Ladder", "LadderConfig"]
 
 if TYPE_CHECKING:
-    from qladder.faults import Fault
+    from qladder.testing.faults import Fault
 
 
 class Ladder:

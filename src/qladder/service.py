@@ -24,7 +24,7 @@ from qladder.sanitize import SanitizeConfig, SanitizeResult
 from qladder.types import GenerationResult
 
 if TYPE_CHECKING:
-    from qladder.faults import Fault
+    from qladder.testing.faults import Fault
 
 
 @dataclass

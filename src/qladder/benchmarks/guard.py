@@ -25,11 +25,11 @@ from qladder.benchmarks.engines import TEXT
 from qladder.config import Settings
 from qladder.engines import load_engine
 from qladder.engines.base import Engine
-from qladder.faults import parse_fault
 from qladder.health.guard import GUARD_PRESETS
 from qladder.ladder import Ladder, LadderConfig
 from qladder.model import inspect_model, user_prompt_ids
 from qladder.sampling import SamplingParams
+from qladder.testing.faults import parse_fault
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",

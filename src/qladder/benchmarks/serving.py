@@ -40,7 +40,6 @@ import numpy as np
 from qladder.benchmarks.common import OutcomeLog, closed_loop, environment
 from qladder.config import Settings
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
-from qladder.faults import Fault, parse_fault
 from qladder.health.guard import GUARD_PRESETS, GuardConfig
 from qladder.health.repetition import find_repetition
 from qladder.model import inspect_model, user_prompt_ids
@@ -48,6 +47,7 @@ from qladder.policy import LadderConfig
 from qladder.sampling import SamplingParams
 from qladder.serving import SchedulerConfig, ServingConfig, ServingEngine
 from qladder.serving.engine import template_prefix
+from qladder.testing.faults import Fault, parse_fault
 from qladder.validate.corpora import Prompt, load_corpora, subset
 from qladder.validate.outcome import Outcome
 

@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from qladder import fault_seam
 from qladder.audit import DriftWatch
 from qladder.classify import classify
 from qladder.client import AsyncEvents, EngineClient, Request
@@ -39,10 +38,11 @@ from qladder.server.protocol import ChatCompletionRequest, CompletionRequest
 from qladder.server.quarantine import Quarantine
 from qladder.server.router import Route, Router
 from qladder.server.shared_state import StateSync
+from qladder.testing import seam as fault_seam
 from qladder.types import DEFAULT_MAX_TOKENS, Event, FinalEvent, FinishReason, GenerationResult, HazardEvent, TokenEvent
 
 if TYPE_CHECKING:
-    from qladder.faults import Fault
+    from qladder.testing.faults import Fault
 
 ERROR_CHECKS = frozenset({"engine_error", "deadline"})  # the engine failed, not the numbers
 NOT_THE_PROMPTS = ERROR_CHECKS | {"audit"}  # (and the audit's ejection: the endpoint's verdict) never quarantine

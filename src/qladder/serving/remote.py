@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 import httpx
 
-from qladder import fault_seam
 from qladder.actions import Confirm, Done, Drafted, Leave, Move, MoveTo, Verify
 from qladder.engines.remote import RemoteAt, RemoteEnd, RemoteResumed, RemoteRung, next_item
 from qladder.errors import (
@@ -58,6 +57,7 @@ from qladder.serving.aborts import AbortRegistry
 from qladder.serving.prefills import PrefillLedger
 from qladder.serving.remote_verified import run_verified
 from qladder.serving.remote_visit import RemoteVisit
+from qladder.testing import seam as fault_seam
 from qladder.types import FinishReason, Hazard, TokenLogprob
 
 _log = logging.getLogger("qladder.remote")

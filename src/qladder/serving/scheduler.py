@@ -37,7 +37,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from qladder import fault_seam
 from qladder.actions import Action, Continue, Done, Leave, MoveTo, StepFailed, Verify
 from qladder.engines.base import StepOutput
 from qladder.engines.llamacpp_batch import BatchedLlamaCpp, Entry
@@ -50,10 +49,11 @@ from qladder.serving.cores import Cores
 from qladder.serving.drafts import LEAVE_AFTER, Drafts
 from qladder.serving.handoffs import RungPool
 from qladder.serving.prompt_states import PromptState, PromptStates
+from qladder.testing import seam as fault_seam
 from qladder.types import FinishReason, Hazard
 
 if TYPE_CHECKING:
-    from qladder.faults import RowFaults
+    from qladder.testing.faults import RowFaults
 
 _log = logging.getLogger("qladder.scheduler")
 

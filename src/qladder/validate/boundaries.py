@@ -37,11 +37,11 @@ import torch
 
 from qladder.engines import instrument
 from qladder.engines.base import Engine
-from qladder.faults import Fault, engine_faults
 from qladder.health.guard import GUARD_PRESETS, GuardConfig, StepGuard
 from qladder.ladder import Ladder, LadderConfig
 from qladder.percentiles import mean, percentile, ratio
 from qladder.sampling import SamplingParams
+from qladder.testing.faults import Fault, engine_faults
 
 Tick = Callable[[], None]
 

@@ -1,6 +1,6 @@
 """Fault models as data: what each one injects, the real phenomenon it emulates, and its trigger.
 
-Every model is a list of `qladder.faults` spec strings, so the replay, the CLI (`--fault`) and the
+Every model is a list of `qladder.testing.faults` spec strings, so the replay, the CLI (`--fault`) and the
 incident records share one vocabulary. Faults hit the primary rung only (`int4`): in the guarded
 configuration that is rung 0 of the ladder, in the bare configuration the only engine there is.
 Triggers: in the replay a fault model is attached to abnormal prompts (the original incident's
@@ -8,7 +8,7 @@ failures came on very long math, code and abnormal Unicode), assigned round-robi
 model meets several prompt classes.
 
 A model with `gguf_patch` is not a per-request fault: the replay writes a patched copy of the
-GGUF (`qladder.validate.gguf_patch.GGUF_PATCHES`: corrupted scales, or glitch-token embeddings)
+GGUF (`qladder.testing.gguf_patch.GGUF_PATCHES`: corrupted scales, or glitch-token embeddings)
 and serves that model's prompts, bare and guarded, from an int4 engine loaded on the copy. A
 model with `classes` is attached only to prompts of those classes (its trigger is in their text).
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from qladder.faults import MASSIVE_ACTIVATION, Fault, parse_fault
+from qladder.testing.faults import MASSIVE_ACTIVATION, Fault, parse_fault
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class FaultModel:
     trigger: str = "attached to abnormal prompts, round-robin over the classes"
     quick: bool = True  # part of `--quick`
     gguf_patch: tuple[tuple[str, str | int | float], ...] | None = None  # GGUF_PATCHES[patch] kwargs
-    patch: str = "scale"  # which of qladder.faults.GGUF_PATCHES writes the copy
+    patch: str = "scale"  # which of qladder.testing.faults.GGUF_PATCHES writes the copy
     classes: tuple[str, ...] | None = None  # attach only to prompts of these classes
     fault_set: str = "train"  # train | test (see the module docstring)
 
@@ -92,7 +92,7 @@ FAULT_MODELS: tuple[FaultModel, ...] = (
         "32 weights of one Q4_1 block become 1000x too large, so one output channel of layer 11's "
         "FFN carries an outlier at every position.",
         "A copy of the GGUF with the fp16 scale of block 0 of blk.11.ffn_down.weight, row 507, "
-        "multiplied by 1000 (qladder.validate.gguf_patch.corrupt_gguf_scale); both configurations run an int4 "
+        "multiplied by 1000 (qladder.testing.gguf_patch.corrupt_gguf_scale); both configurations run an int4 "
         "engine loaded on the copy: llama.cpp's real kernels on corrupted weights.",
         trigger="the prompts assigned to it are served by the corrupted copy",
         gguf_patch=(("tensor", "blk.11.ffn_down.weight"), ("row", 507), ("block", 0), ("x", 1000.0))),
@@ -102,7 +102,7 @@ FAULT_MODELS: tuple[FaultModel, ...] = (
         "the next layer's NaN, and every logit NaN. llama-server then answers '......' (token 30 "
         "repeated) with HTTP 200, every logprob null and top-k ids 0, 1, 2.",
         "A copy of the GGUF with the fp16 scale of block 0 of blk.11.ffn_down.weight, row 507, set "
-        "to +inf (qladder.validate.gguf_patch.inf_scale_gguf); llama.cpp's real kernels on the copy.",
+        "to +inf (qladder.testing.gguf_patch.inf_scale_gguf); llama.cpp's real kernels on the copy.",
         trigger="the prompts assigned to it are served by the corrupted copy", quick=False,
         gguf_patch=(("tensor", "blk.11.ffn_down.weight"), ("row", 507), ("block", 0)), patch="inf_scale"),
     FaultModel(
@@ -113,7 +113,7 @@ FAULT_MODELS: tuple[FaultModel, ...] = (
         "outlier in the residual stream from the first layer on.",
         "A copy of the GGUF whose input embeddings of those tokens are multiplied by 1000 (max "
         "|value| ~1,350; clean layers 10-12 stay near 110), with the output matrix untied so the "
-        "logits are unchanged (qladder.validate.gguf_patch.glitch_gguf); llama.cpp's real kernels on the copy. "
+        "logits are unchanged (qladder.testing.gguf_patch.glitch_gguf); llama.cpp's real kernels on the copy. "
         "At x = 100 answers already change while every layer stays under its bound (3x its clean "
         "max); at x = 1000 only a per-layer bound sees it (the peaks, ~600-750, stay under the "
         "global 2,000).",
@@ -188,7 +188,7 @@ def by_name(names: Sequence[str] | None = None, quick: bool = False,
             out.append(known[n])
         else:  # a raw spec string: a custom model
             parse_fault(n)  # raises ConfigError with the expected shape
-            out.append(FaultModel(f"custom:{n}", (n,), "user-supplied fault spec", "see qladder.faults",
+            out.append(FaultModel(f"custom:{n}", (n,), "user-supplied fault spec", "see qladder.testing.faults",
                                   trigger="attached to abnormal prompts, round-robin", fault_set="test"))
     return out
 

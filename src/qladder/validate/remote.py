@@ -483,8 +483,8 @@ def validate_remote(cfg: RemoteValidateConfig, out_dir: Path, show_progress: boo
     from qladder.peers.llama_server import LlamaServer
     from qladder.peers.vllm import VllmServer
     from qladder.prepare import Preparer
+    from qladder.testing.gguf_patch import GGUF_PATCHES
     from qladder.validate.corpora import load_corpora, subset
-    from qladder.validate.gguf_patch import GGUF_PATCHES
     from qladder.validate.report import write_remote_report
     from qladder.validate.runner import Progress, write_outputs
 

@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from qladder.config import Settings
 from qladder.engines.base import Engine
 from qladder.errors import InputError
-from qladder.faults import Fault, FaultySession, engine_faults, step_faults
 from qladder.health.guard import GUARD_PRESETS
 from qladder.incidents import IncidentSink
 from qladder.model import ModelInfo, user_prompt_ids, user_prompt_ids_bytes
@@ -35,6 +34,7 @@ from qladder.policy import LadderConfig, LadderPolicy
 from qladder.prepare import Preparer
 from qladder.sampling import SamplingParams
 from qladder.serving import ServingConfig, ServingEngine
+from qladder.testing.faults import Fault, FaultySession, engine_faults, step_faults
 from qladder.types import FinishReason, GenerationResult
 from qladder.validate.corpora import Prompt
 from qladder.validate.outcome import Outcome

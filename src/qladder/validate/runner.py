@@ -241,7 +241,7 @@ def patched_configs(run: Run, model: FaultModel) -> tuple[Bare, Guarded]:
     """Bare and guarded on serving engines of their own loaded on a patched copy of the GGUF (built once)."""
     import tempfile
 
-    from qladder.validate.gguf_patch import GGUF_PATCHES
+    from qladder.testing.gguf_patch import GGUF_PATCHES
     from qladder.validate.replay import serve_bare, serve_guarded
 
     if model.name not in run.patched:
